@@ -1,0 +1,38 @@
+"""`lora-affinity bench`: one command per benchmark, ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+
+SCENARIOS_DOC = {
+    "decisions": "per-decision latency of the strategy vs LiteLLM's simple-shuffle, at 8/64/512 deployments",
+}
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", default="seed", help="one of: " + ", ".join(_scenario_names()))
+    parser.add_argument("--strategies", help="comma-separated strategy names (fleet scenarios)")
+    parser.add_argument("--speed", type=float, default=None, help="simulated time runs K times faster than real time")
+    parser.add_argument("--gateways", type=int, default=1, help="proxy replicas behind the client, sharing one Redis")
+    parser.add_argument("--mode", choices=["live", "fast"], default="live")
+    parser.add_argument("--seeds", type=int, default=1, help="fast mode: seeds per strategy (medians reported)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", dest="json_path", help="write the results as a JSON list to this path")
+    parser.add_argument("--chart", default="bench-out/bench.png", help="where to write the PNG chart")
+    parser.add_argument("--deployments", default="8,64,512", help="decisions scenario: deployment counts")
+    parser.add_argument("--iterations", type=int, default=3000, help="decisions scenario: decisions per size")
+    parser.set_defaults(func=run_bench)
+
+
+def _scenario_names() -> list[str]:
+    return ["decisions"]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.scenario == "decisions":
+        from .decisions import run_decisions
+
+        return run_decisions(args)
+    from .compare import run_compare
+
+    return run_compare(args)

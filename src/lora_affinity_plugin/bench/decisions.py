@@ -1,0 +1,120 @@
+"""Per-decision latency: lora-affinity vs LiteLLM's simple-shuffle, same process, same deployments."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import litellm
+
+from ..fleet import FleetView
+from ..scheduling import PodMetrics
+from ..settings import build_settings
+from ..store import PodRecord
+from ..strategy import LoraAffinityStrategy
+
+ADAPTERS = [f"adapter-{i}" for i in range(24)]
+
+
+def _model_list(n: int) -> list[dict]:
+    return [
+        {
+            "model_name": "*",
+            "litellm_params": {"model": "hosted_vllm/*", "api_base": f"http://10.0.{i // 250}.{i % 250}:8000/v1",
+                               "api_key": "none"},
+        }
+        for i in range(n)
+    ]
+
+
+def _records(pods: list[str], rng: random.Random, now: float) -> dict[str, PodRecord]:
+    out = {}
+    for pod in pods:
+        running = frozenset(rng.sample(ADAPTERS, 3))
+        metrics = PodMetrics(num_requests_waiting=rng.randrange(20), num_requests_running=rng.randrange(30),
+                             kv_cache_usage=rng.random(), running_lora_adapters=running,
+                             waiting_lora_adapters=frozenset(rng.sample(ADAPTERS, 1)), max_lora=4)
+        out[pod] = PodRecord(pod=pod, scraped_at=now, metrics=metrics)
+    return out
+
+
+def _percentiles(samples_ns: list[int]) -> tuple[float, float]:
+    ordered = sorted(samples_ns)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return statistics.median(ordered) / 1000, p99 / 1000
+
+
+async def _time_router(router: litellm.Router, iterations: int, rng: random.Random,
+                       refresh=None) -> list[int]:
+    samples = []
+    for i in range(iterations):
+        if refresh is not None and i % 200 == 0:
+            refresh()
+        model = ADAPTERS[rng.randrange(len(ADAPTERS))]
+        start = time.perf_counter_ns()
+        await router.async_get_available_deployment(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                   request_kwargs={"metadata": {}})
+        samples.append(time.perf_counter_ns() - start)
+    return samples
+
+
+async def _measure(n: int, iterations: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    settings = build_settings({})
+    shuffle_router = litellm.Router(model_list=_model_list(n), routing_strategy="simple-shuffle")
+    plugin_router = litellm.Router(model_list=_model_list(n), routing_strategy="simple-shuffle")
+    fleet = FleetView(settings)
+    strategy = LoraAffinityStrategy(plugin_router, settings, rng=random.Random(seed), fleet=fleet)
+    plugin_router.set_custom_routing_strategy(strategy)  # no refresher: the fleet is fed below, no Redis at all
+    from ..pods import discover_pods
+
+    pods = discover_pods(plugin_router.model_list)
+    fleet.update(_records(pods, rng, time.time()))
+
+    def refresh() -> None:  # what the background refresher does every interval
+        fleet.update(_records(pods, rng, time.time()))
+
+    # Interleave rounds so both see the same machine state; warm both first.
+    await _time_router(shuffle_router, 200, rng)
+    await _time_router(plugin_router, 200, rng, refresh)
+    shuffle, plugin = [], []
+    for _ in range(5):
+        shuffle += await _time_router(shuffle_router, iterations // 5, rng)
+        plugin += await _time_router(plugin_router, iterations // 5, rng, refresh)
+
+    # The plugin's own part, without the host's healthy-deployment lookup.
+    healthy = plugin_router.model_list
+    own = []
+    for i in range(iterations):
+        if i % 200 == 0:
+            refresh()
+        model = ADAPTERS[rng.randrange(len(ADAPTERS))]
+        start = time.perf_counter_ns()
+        strategy.pick(model, healthy, {"metadata": {}})
+        own.append(time.perf_counter_ns() - start)
+    return {
+        "deployments": n,
+        "simple_shuffle": _percentiles(shuffle),
+        "lora_affinity": _percentiles(plugin),
+        "lora_affinity_own": _percentiles(own),
+        "fallbacks": strategy.fallbacks,
+    }
+
+
+def run_decisions(args: argparse.Namespace) -> int:
+    sizes = [int(s) for s in args.deployments.split(",")]
+    print("Per-decision latency, microseconds (median / p99); same process, interleaved rounds")
+    print(f"{'deployments':>11}  {'simple-shuffle':>16}  {'lora-affinity':>16}  {'ratio p50':>9}  "
+          f"{'plugin own part':>16}  fallbacks")
+    for n in sizes:
+        r = asyncio.run(_measure(n, args.iterations, args.seed))
+        s50, s99 = r["simple_shuffle"]
+        p50, p99 = r["lora_affinity"]
+        o50, o99 = r["lora_affinity_own"]
+        print(f"{n:>11}  {s50:7.1f} / {s99:6.1f}  {p50:7.1f} / {p99:6.1f}  {p50 / s50:9.2f}  "
+              f"{o50:7.1f} / {o99:6.1f}  {r['fallbacks']}")
+    print("Redis calls on the request path: 0 (the fleet view is fed in the background; no Redis client exists here)")
+    return 0

@@ -1,0 +1,92 @@
+"""`lora-affinity`: the command line (scraper worker, simulator, benchmarks, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+# LiteLLM reaches for the network at import unless told otherwise; this machine class is offline.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+os.environ.setdefault("LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS", "True")
+os.environ.setdefault("LITELLM_TELEMETRY_DISABLED", "true")
+
+from .settings import SettingsError, load_config, settings_from_config  # noqa: E402
+
+
+def _settings_and_config(args: argparse.Namespace):
+    config = load_config(args.config) if args.config else {}
+    environ = dict(os.environ)
+    if getattr(args, "redis_url", None):
+        environ["LORA_AFFINITY_REDIS_URL"] = args.redis_url
+    if getattr(args, "interval_ms", None):
+        environ["LORA_AFFINITY_SCRAPE_INTERVAL_MS"] = str(args.interval_ms)
+    return settings_from_config(config, environ), config
+
+
+def _cmd_scrape(args: argparse.Namespace) -> int:
+    from .pods import discover_pods
+    from .scraper import Scraper
+
+    settings, config = _settings_and_config(args)
+    pods = discover_pods(config.get("model_list") or [])
+    if not pods:
+        print(f"{args.config}: no deployment in model_list has an api_base to scrape", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await Scraper(settings, pods).run(stop)
+
+    asyncio.run(run())
+    return 0
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from .sim.server import run_sim
+
+    return run_sim(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-affinity", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    scrape = sub.add_parser("scrape", help="scrape every pod's /metrics into Redis")
+    scrape.add_argument("--config", required=True, help="the proxy's config.yaml (pods come from model_list)")
+    scrape.add_argument("--redis-url", help="overrides lora_affinity.redis_url")
+    scrape.add_argument("--interval-ms", type=int, help="overrides lora_affinity.scrape_interval_ms")
+    scrape.set_defaults(func=_cmd_scrape)
+
+    from .bench import add_bench_arguments
+    add_bench_arguments(sub.add_parser("bench", help="benchmarks: routing quality and decision latency"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The scraper worker: every pod's `/metrics`, parsed and written to Redis once per interval.
+
+One pooled HTTP client per event loop (the lesson of pooling the proxy's client: never one client
+per call), private to scraping so scrapes never queue behind the proxy's busy streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+import httpx
+
+from .episodes import Episode
+from .parsing import MetricsPageError, parse_metrics
+from .settings import Settings
+from .store import PodRecord, connect, write_records
+
+__all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
+
+logger = logging.getLogger("lora_affinity.scraper")
+
+
+class _LoopClient:
+    """One httpx.AsyncClient per event loop: recreated if closed or used from another loop."""
+
+    def __init__(self, pool_size: int, timeout_s: float) -> None:
+        self._pool_size = pool_size
+        self._timeout_s = timeout_s
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client.is_closed or self._loop is not loop:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self._timeout_s),
+                limits=httpx.Limits(max_connections=self._pool_size, max_keepalive_connections=self._pool_size),
+                follow_redirects=False,
+            )
+            self._loop = loop
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None and not self._client.is_closed and self._loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = None
+
+
+class Scraper:
+    """Scrapes a fixed list of pods (from the config, never from requests) into Redis."""
+
+    def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None, auth: httpx.Auth | None = None):
+        self.settings = settings
+        self.pods = list(pods)
+        self._redis = redis_client
+        self._auth = auth
+        self._http = _LoopClient(pool_size=max(4, len(self.pods)), timeout_s=settings.scrape_timeout_ms / 1000)
+        self._redis_down = Episode(logger, "scraper cannot write to Redis; metrics will age")
+        self.cycles = 0
+        self.last_records: dict[str, PodRecord] = {}
+
+    async def _fetch(self, client: httpx.AsyncClient, pod: str) -> str:
+        limit = self.settings.max_page_bytes
+        async with client.stream("GET", pod + self.settings.metrics_path, auth=self._auth or httpx.USE_CLIENT_DEFAULT) as resp:
+            if resp.status_code != 200:
+                raise MetricsPageError(f"HTTP {resp.status_code} from {self.settings.metrics_path}")
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise MetricsPageError(f"page larger than max_page_bytes={limit}")
+                chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    async def _scrape_pod(self, client: httpx.AsyncClient, pod: str) -> PodRecord:
+        started = time.time()
+        try:
+            text = await asyncio.wait_for(self._fetch(client, pod), self.settings.scrape_timeout_ms / 1000)
+            return PodRecord(pod=pod, scraped_at=started, metrics=parse_metrics(text))
+        except MetricsPageError as exc:
+            return PodRecord(pod=pod, scraped_at=started, metrics=None, error=str(exc))
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            return PodRecord(pod=pod, scraped_at=started, metrics=None, error="timed out")
+        except httpx.HTTPError as exc:
+            return PodRecord(pod=pod, scraped_at=started, metrics=None, error=f"{type(exc).__name__}: {exc}"[:200])
+
+    async def scrape_once(self) -> list[PodRecord]:
+        """Scrape every pod concurrently and write all records in one pipelined round trip."""
+        client = self._http.get()
+        records = await asyncio.gather(*(self._scrape_pod(client, pod) for pod in self.pods))
+        self.last_records = {r.pod: r for r in records}
+        self.cycles += 1
+        if self._redis is None:
+            self._redis = connect(self.settings)
+        try:
+            await write_records(self._redis, self.settings, records)
+            self._redis_down.recover()
+        except Exception as exc:  # redis errors of any kind: keep scraping, try again next cycle
+            self._redis_down.fail(type(exc).__name__)
+        return records
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Scrape every `scrape_interval_ms` until `stop` is set; closes its clients on the way out."""
+        stop = stop or asyncio.Event()
+        interval = self.settings.scrape_interval_ms / 1000
+        logger.info("scraping %d pods every %d ms into %s", len(self.pods), self.settings.scrape_interval_ms,
+                    self.settings.redacted_redis_url())
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                await self.scrape_once()
+                delay = interval - (time.monotonic() - started)
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=max(0.0, delay))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        if self._redis is not None:
+            try:
+                await self._redis.aclose()
+            except Exception:
+                pass
+            self._redis = None

@@ -1,0 +1,141 @@
+"""The plugin's one configuration object.
+
+Every knob has one name, used alike in the `lora_affinity:` section of the proxy's
+`config.yaml`, in `LORA_AFFINITY_<NAME>` environment variables and (later) in Redis.
+Validation happens once, here; the rest of the code trusts a `Settings` instance.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "LORA_AFFINITY_"
+RuleSet = Literal["lora-affinity", "gie-v0.2"]
+
+
+class SettingsError(ValueError):
+    """A setting failed validation; the message names the field, the value and what is allowed."""
+
+
+class Settings(BaseModel):
+    """Routing thresholds, scraping cadence and where Redis lives."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Where the shared state lives.
+    redis_url: str = "redis://localhost:6379/0"
+    key_prefix: str = Field("lora_affinity", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+
+    # Scraping.
+    scrape_interval_ms: int = Field(200, ge=10, le=60_000)
+    scrape_timeout_ms: int = Field(1_000, ge=10, le=60_000)
+    max_page_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    metrics_path: str = "/metrics"
+    embedded_scraper: bool = False
+
+    # Freshness: older metrics make a pod a backup only; records expire from Redis after metrics_ttl_ms.
+    stale_after_ms: int = Field(2_000, ge=50)
+    metrics_ttl_ms: int = Field(10_000, ge=100)
+
+    # The endpoint picker's v0.2 thresholds (same names and defaults).
+    queueing_threshold_lora: int = Field(128, ge=0)
+    lora_affinity_threshold: float = Field(0.999, ge=0.0, le=1.0)
+    kv_cache_threshold: float = Field(0.8, ge=0.0, le=1.0)
+    queue_threshold_critical: int = Field(5, ge=0)
+
+    # Which rule tree runs, and our additions to it.
+    rule_set: RuleSet = "lora-affinity"
+    spill_queue_margin: int = Field(4, ge=0)
+    """lora-affinity rules: leave an adapter's pods for a fresh pod once they wait this many more requests."""
+
+    sheddable_model_groups: list[str] = Field(default_factory=list)
+    adapter_info_key: str = "lora_adapter"
+    """model_info key naming a deployment's adapter explicitly."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    def redacted_redis_url(self) -> str:
+        """The Redis URL with any password replaced, for logs and status output."""
+        return redact_url(self.redis_url)
+
+
+def redact_url(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user + ':' if user else ''}***@{host}"
+
+
+def _resolve_env_refs(value: Any) -> Any:
+    """LiteLLM's `os.environ/NAME` form, so one config file serves both."""
+    if isinstance(value, str) and value.startswith("os.environ/"):
+        name = value.removeprefix("os.environ/")
+        if name not in os.environ:
+            raise SettingsError(f"environment variable {name} is not set (referenced as {value!r})")
+        return os.environ[name]
+    return value
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """`LORA_AFFINITY_<NAME>` values; pydantic coerces the strings, lists are comma-separated."""
+    out: dict[str, Any] = {}
+    for name, field in Settings.model_fields.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            is_list = getattr(field.annotation, "__origin__", None) is list
+            out[name] = [part.strip() for part in raw.split(",") if part.strip()] if is_list else raw
+    return out
+
+
+def build_settings(section: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Settings:
+    """Validate a `lora_affinity:` mapping plus environment overrides into Settings."""
+    raw = {key: _resolve_env_refs(value) for key, value in (section or {}).items()}
+    raw.update(_env_overrides(dict(os.environ if environ is None else environ)))
+    try:
+        return Settings.model_validate(raw)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc, raw)) from None
+
+
+def describe_validation_error(exc: ValidationError, raw: dict[str, Any]) -> str:
+    """One line per bad field: its name, the value given and what is allowed (never a secret value)."""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        given = raw.get(str(err["loc"][0])) if err["loc"] else None
+        if field == "redis_url" and isinstance(given, str):
+            given = redact_url(given)
+        if err["type"] == "extra_forbidden":
+            allowed = "one of: " + ", ".join(sorted(Settings.model_fields))
+            lines.append(f"{field}: unknown setting; allowed names are {allowed}")
+        else:
+            lines.append(f"{field}: {given!r} is not allowed: {err['msg']}")
+    return "invalid lora_affinity settings: " + "; ".join(lines)
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a LiteLLM proxy config file."""
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def settings_from_config(config: dict[str, Any], environ: dict[str, str] | None = None) -> Settings:
+    section = config.get("lora_affinity") or {}
+    if not isinstance(section, dict):
+        raise SettingsError("lora_affinity: expected a mapping of setting names to values")
+    return build_settings(section, environ)

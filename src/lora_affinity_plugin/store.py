@@ -1,0 +1,95 @@
+"""Pod records in Redis: the one place the scraper and every proxy replica meet.
+
+Layout (all keys share the `{prefix}` hash tag so pipelines stay on one Redis Cluster slot):
+    {prefix}:pod:<pod key>  ->  JSON record, expires after `metrics_ttl_ms`
+A record carries the metrics or the reason a pod could not be read, and when it was scraped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence
+
+import redis.asyncio as aioredis
+
+from .scheduling import PodMetrics
+from .settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class PodRecord:
+    """What the scraper last learnt about one pod."""
+
+    pod: str
+    scraped_at: float
+    """Unix time of the scrape (seconds)."""
+    metrics: PodMetrics | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.metrics is not None
+
+    def age_s(self, now: float | None = None) -> float:
+        return max(0.0, (time.time() if now is None else now) - self.scraped_at)
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = {"pod": self.pod, "scraped_at": self.scraped_at, "error": self.error}
+        if self.metrics is not None:
+            metrics = asdict(self.metrics)
+            for key, value in metrics.items():
+                if isinstance(value, frozenset):
+                    metrics[key] = sorted(value)
+            body["metrics"] = metrics
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> PodRecord:
+        body = json.loads(raw)
+        metrics = body.get("metrics")
+        if metrics is not None:
+            for key in ("running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "model_names"):
+                metrics[key] = frozenset(metrics.get(key) or ())
+            metrics = PodMetrics(**metrics)
+        return cls(pod=body["pod"], scraped_at=float(body["scraped_at"]), metrics=metrics, error=body.get("error"))
+
+
+def pod_key(settings: Settings, pod: str) -> str:
+    return f"{{{settings.key_prefix}}}:pod:{pod}"
+
+
+def connect(settings: Settings) -> aioredis.Redis:
+    """An asyncio Redis client with short timeouts: the plugin must fall back, never hang a request."""
+    timeout = max(0.05, settings.scrape_timeout_ms / 1000)
+    return aioredis.from_url(
+        settings.redis_url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        health_check_interval=30,
+    )
+
+
+async def write_records(client: aioredis.Redis, settings: Settings, records: Iterable[PodRecord]) -> None:
+    """One pipelined round trip per scrape cycle; each record serialized once."""
+    async with client.pipeline(transaction=False) as pipe:
+        for record in records:
+            pipe.set(pod_key(settings, record.pod), record.to_json(), px=settings.metrics_ttl_ms)
+        await pipe.execute()
+
+
+async def read_records(client: aioredis.Redis, settings: Settings, pods: Sequence[str]) -> dict[str, PodRecord]:
+    """Every known pod's record in one MGET; pods with no (or an unreadable) record are left out."""
+    if not pods:
+        return {}
+    raws = await client.mget([pod_key(settings, pod) for pod in pods])
+    out: dict[str, PodRecord] = {}
+    for pod, raw in zip(pods, raws):
+        if raw is None:
+            continue
+        try:
+            out[pod] = PodRecord.from_json(raw)
+        except (ValueError, TypeError, KeyError):
+            continue
+    return out

@@ -1,0 +1,291 @@
+"""The thin adapter to LiteLLM: a custom routing strategy, and the callback that installs it.
+
+One request's path: LiteLLM's router calls `LoraAffinityStrategy.async_get_available_deployment`;
+it asks the router for the healthy deployments once (so cooldowns still apply), maps each to a pod,
+builds candidates from the in-process `FleetView` (no Redis on the request path), and lets
+`scheduling.choose_pod` pick. Any plugin failure falls back to a simple-shuffle pick.
+
+Proxy users list one line in `config.yaml`:
+    litellm_settings:
+      callbacks: ["lora_affinity_plugin.strategy.proxy_plugin"]
+Python users call `install(router, settings)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import random
+import time
+from typing import Any, Mapping
+
+import litellm
+from litellm.integrations.custom_logger import CustomLogger
+from litellm.types.router import CustomRoutingStrategyBase
+
+from .episodes import Episode
+from .fleet import FleetView
+from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
+from .scheduling import NoCapacity, RouteRequest, Shed, choose_pod
+from .settings import Settings, build_settings, load_config, settings_from_config
+from .store import connect, read_records
+
+logger = logging.getLogger("lora_affinity")
+
+
+class LoraAffinityStrategy(CustomRoutingStrategyBase):
+    """Routes each request of a managed model group to the pod that should serve it."""
+
+    def __init__(self, router: litellm.Router, settings: Settings, *, rng: random.Random | None = None,
+                 fleet: FleetView | None = None) -> None:
+        self.router = router
+        self.settings = settings
+        self.fleet = fleet or FleetView(settings)
+        self.rng = rng or random.Random()
+        self._index = _DeploymentIndex()
+        self._fallback = Episode(logger, "routing by metrics unavailable, picking like simple-shuffle")
+        self._refresher: asyncio.Task | None = None
+        self.decisions = 0
+        self.fallbacks = 0
+
+    # --- LiteLLM's interface -------------------------------------------------------------------
+    async def async_get_available_deployment(
+        self,
+        model: str,
+        messages: list[dict[str, str]] | None = None,
+        input: str | list | None = None,
+        specific_deployment: bool | None = False,
+        request_kwargs: dict | None = None,
+    ) -> dict:
+        self.ensure_refresher()
+        request_kwargs = request_kwargs if request_kwargs is not None else {}
+        if not self._manages(model):
+            return await type(self.router).async_get_available_deployment(
+                self.router, model=model, messages=messages, input=input,
+                specific_deployment=specific_deployment, request_kwargs=request_kwargs,
+            )
+        healthy = await self.router.async_get_healthy_deployments(
+            model=model, request_kwargs=request_kwargs, messages=messages, input=input,
+            specific_deployment=specific_deployment,
+        )
+        if isinstance(healthy, dict):
+            return healthy
+        return self.pick(model, healthy, request_kwargs)
+
+    def get_available_deployment(self, model: str, messages=None, input=None, specific_deployment=False,
+                                 request_kwargs=None):
+        # The sync path (router.completion) has no event loop to keep metrics fresh: LiteLLM routes it.
+        return type(self.router).get_available_deployment(
+            self.router, model=model, messages=messages, input=input,
+            specific_deployment=specific_deployment, request_kwargs=request_kwargs,
+        )
+
+    # --- the decision --------------------------------------------------------------------------
+    def pick(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any]) -> dict:
+        """Choose one of `healthy`; raises litellm's 429/503 errors, falls back on anything else."""
+        if not healthy:
+            raise litellm.ServiceUnavailableError(
+                message=f"lora-affinity: no healthy deployment for model {model!r}", llm_provider="", model=model)
+        try:
+            deployment = self._choose(model, healthy, request_kwargs)
+        except Shed as exc:
+            raise litellm.RateLimitError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
+        except NoCapacity as exc:
+            raise litellm.ServiceUnavailableError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
+        except Exception as exc:  # a plugin bug must never fail a request
+            logger.exception("lora-affinity decision failed; falling back")
+            self._fallback.fail(f"{type(exc).__name__}")
+            deployment = None
+        if deployment is None:
+            self.fallbacks += 1
+            return healthy[self.rng.randrange(len(healthy))]
+        self._fallback.recover()
+        return deployment
+
+    def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any]) -> dict | None:
+        by_pod: dict[str, dict] = {}
+        known = self._index.pods_by_object
+        for deployment in healthy:
+            pod = known.get(id(deployment)) or self._index.pod(deployment)
+            if pod is not None and pod not in by_pod:
+                by_pod[pod] = deployment
+        now = time.time()
+        candidates = self.fleet.candidates(list(by_pod), now)
+        if not candidates:
+            self._fallback.fail("no fresh metrics for the healthy deployments of " + repr(model))
+            return None
+        first = by_pod[candidates[0].key]
+        adapter: str | None = deployment_adapter(first, model, self.settings.adapter_info_key)
+        if adapter in self.fleet.model_names(candidates[0].key):
+            adapter = None  # the base model: no LoRA rule applies
+        request = RouteRequest(adapter=adapter, sheddable=self._sheddable(model, request_kwargs))
+        decision = choose_pod(candidates, request, self.settings, self.rng)
+        self.fleet.note_dispatch(decision.pod, adapter, now)
+        self.decisions += 1
+        return by_pod[decision.pod]
+
+    def _sheddable(self, model: str, request_kwargs: Mapping[str, Any]) -> bool:
+        if model in self.settings.sheddable_model_groups:
+            return True
+        for bucket_name in ("metadata", "litellm_metadata"):
+            bucket = request_kwargs.get(bucket_name) or {}
+            if str(bucket.get("criticality", "")).lower() == "sheddable":
+                return True
+            headers = bucket.get("headers") or {}
+            if str(headers.get("x-criticality", "")).lower() == "sheddable":
+                return True
+        return False
+
+    def _manages(self, model: str) -> bool:
+        """A model group is ours when at least one of its deployments has pod metrics."""
+        return self.fleet.knows(self._index.pods_for_model(self.router.model_list, model))
+
+    # --- background: keep the fleet view fresh -------------------------------------------------
+    def ensure_refresher(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._refresher = loop.create_task(self._refresh_forever(), name="lora-affinity-refresh")
+
+    async def _refresh_forever(self) -> None:
+        client = connect(self.settings)
+        redis_down = Episode(logger, f"cannot read pod metrics from Redis at {self.settings.redacted_redis_url()}")
+        interval = self.settings.scrape_interval_ms / 1000
+        try:
+            while True:
+                try:
+                    pods = discover_pods(self.router.model_list)
+                    self.fleet.update(await read_records(client, self.settings, pods))
+                    redis_down.recover()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    redis_down.fail(type(exc).__name__)
+                await asyncio.sleep(interval)
+        finally:
+            await client.aclose()
+
+    def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+
+
+class _DeploymentIndex:
+    """Caches deployment -> pod and model name -> pods; rebuilt when the router's model list changes."""
+
+    def __init__(self) -> None:
+        self.pods_by_object: dict[int, str] = {}
+        """id(deployment dict) -> pod; the router's dicts live as long as its model list."""
+        self._pods_by_model: dict[str, list[str]] = {}
+        self._list_id: tuple[int, int] = (0, 0)
+
+    def pod(self, deployment: Mapping[str, Any]) -> str | None:
+        pod = deployment_pod(deployment)
+        if pod is not None:
+            self.pods_by_object[id(deployment)] = pod
+        return pod
+
+    def pods_for_model(self, model_list: list[dict], model: str) -> list[str]:
+        list_id = (id(model_list), len(model_list))
+        if list_id != self._list_id:
+            self._pods_by_model.clear()
+            self.pods_by_object.clear()
+            self._list_id = list_id
+        pods = self._pods_by_model.get(model)
+        if pods is None:
+            exact = [d for d in model_list if d.get("model_name") == model]
+            matching = exact or [d for d in model_list if is_wildcard(d) and fnmatch.fnmatchcase(model, d["model_name"])]
+            pods = self._pods_by_model[model] = [p for p in map(deployment_pod, matching) if p]
+        return pods
+
+
+def install(router: litellm.Router, settings: Settings | None = None, *, rng: random.Random | None = None,
+            fleet: FleetView | None = None) -> LoraAffinityStrategy:
+    """Install the strategy on a `litellm.Router`; returns it. Call again after a router is rebuilt."""
+    strategy = LoraAffinityStrategy(router, settings or build_settings({}), rng=rng, fleet=fleet)
+    router.set_custom_routing_strategy(strategy)
+    strategy.ensure_refresher()
+    return strategy
+
+
+def installed_strategy(router: Any) -> LoraAffinityStrategy | None:
+    bound = getattr(router, "__dict__", {}).get("async_get_available_deployment")
+    owner = getattr(bound, "__self__", None)
+    return owner if isinstance(owner, LoraAffinityStrategy) else None
+
+
+class ProxyPlugin(CustomLogger):
+    """Listed in `litellm_settings.callbacks`; installs the strategy on the proxy's router and keeps it.
+
+    The proxy offers no start-up hook that hands a callback the router, and drops a custom strategy
+    when its settings change or the router is rebuilt: so a watcher re-installs it, and every
+    request's pre-call hook checks once more.
+    """
+
+    WATCH_INTERVAL_S = 0.2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._settings: Settings | None = None
+        self._fleet: FleetView | None = None
+        self._scraper_task: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._strategy: LoraAffinityStrategy | None = None
+        try:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="lora-affinity-install")
+        except RuntimeError:
+            pass  # imported outside the proxy's loop: the first request installs it
+
+    def settings(self) -> Settings:
+        if self._settings is None:
+            from litellm.proxy import proxy_server
+
+            path = getattr(proxy_server, "user_config_file_path", None)
+            config = load_config(path) if path else {}
+            self._settings = settings_from_config(config)
+            self._fleet = FleetView(self._settings)
+            if self._settings.embedded_scraper:
+                self._start_embedded_scraper(config)
+        return self._settings
+
+    def _start_embedded_scraper(self, config: dict) -> None:
+        from .scraper import Scraper
+
+        pods = discover_pods(config.get("model_list") or [])
+        self._scraper_task = asyncio.get_running_loop().create_task(Scraper(self._settings, pods).run())
+
+    def ensure_installed(self) -> LoraAffinityStrategy | None:
+        from litellm.proxy import proxy_server
+
+        router = getattr(proxy_server, "llm_router", None)
+        if router is None:
+            return None
+        strategy = installed_strategy(router)
+        if strategy is None:
+            if self._strategy is not None:
+                self._strategy.stop()  # the router was rebuilt or reset: one refresher at a time
+            strategy = self._strategy = install(router, self.settings(), fleet=self._fleet)
+            logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
+                        self.settings().redacted_redis_url())
+        return strategy
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                self.ensure_installed()
+            except Exception:
+                logger.exception("lora-affinity could not install its routing strategy")
+            await asyncio.sleep(self.WATCH_INTERVAL_S)
+
+    async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):
+        try:
+            self.ensure_installed()
+        except Exception:
+            logger.exception("lora-affinity could not install its routing strategy")
+        return data
+
+
+proxy_plugin = ProxyPlugin()
