@@ -3,3 +3,4 @@ import os
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS", "True")
 os.environ.setdefault("LITELLM_TELEMETRY_DISABLED", "true")
+import sys, os; sys.path.insert(0, os.path.dirname(__file__))

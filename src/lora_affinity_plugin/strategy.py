@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
+import os
 import random
 import time
 from typing import Any, Mapping
@@ -105,9 +106,12 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
 
     def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any]) -> dict | None:
         by_pod: dict[str, dict] = {}
-        known = self._index.pods_by_object
+        known = self._index.pods_by_id
         for deployment in healthy:
-            pod = known.get(id(deployment)) or self._index.pod(deployment)
+            info = deployment.get("model_info")
+            pod = known.get(info.get("id")) if info else None
+            if pod is None:
+                pod = self._index.pod(deployment)
             if pod is not None and pod not in by_pod:
                 by_pod[pod] = deployment
         now = time.time()
@@ -121,6 +125,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             adapter = None  # the base model: no LoRA rule applies
         request = RouteRequest(adapter=adapter, sheddable=self._sheddable(model, request_kwargs))
         decision = choose_pod(candidates, request, self.settings, self.rng)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s -> %s (%s) among %s", adapter, decision.pod, decision.branch,
+                         [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates])
         self.fleet.note_dispatch(decision.pod, adapter, now)
         self.decisions += 1
         return by_pod[decision.pod]
@@ -160,6 +167,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                     pods = discover_pods(self.router.model_list)
                     self.fleet.update(await read_records(client, self.settings, pods))
                     redis_down.recover()
+
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -177,22 +185,23 @@ class _DeploymentIndex:
     """Caches deployment -> pod and model name -> pods; rebuilt when the router's model list changes."""
 
     def __init__(self) -> None:
-        self.pods_by_object: dict[int, str] = {}
-        """id(deployment dict) -> pod; the router's dicts live as long as its model list."""
+        self.pods_by_id: dict[str, str] = {}
+        """model_info.id -> pod (the router hands out copies of its deployment dicts)."""
         self._pods_by_model: dict[str, list[str]] = {}
         self._list_id: tuple[int, int] = (0, 0)
 
     def pod(self, deployment: Mapping[str, Any]) -> str | None:
         pod = deployment_pod(deployment)
-        if pod is not None:
-            self.pods_by_object[id(deployment)] = pod
+        dep_id = (deployment.get("model_info") or {}).get("id")
+        if pod is not None and dep_id is not None:
+            self.pods_by_id[dep_id] = pod
         return pod
 
     def pods_for_model(self, model_list: list[dict], model: str) -> list[str]:
         list_id = (id(model_list), len(model_list))
         if list_id != self._list_id:
             self._pods_by_model.clear()
-            self.pods_by_object.clear()
+            self.pods_by_id.clear()
             self._list_id = list_id
         pods = self._pods_by_model.get(model)
         if pods is None:
@@ -217,6 +226,16 @@ def installed_strategy(router: Any) -> LoraAffinityStrategy | None:
     return owner if isinstance(owner, LoraAffinityStrategy) else None
 
 
+def _configure_logging() -> None:
+    """Inside the proxy our records get their own timestamped handler (the host's filters by level)."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(os.environ.get("LORA_AFFINITY_LOG_LEVEL", "INFO").upper())
+
+
 class ProxyPlugin(CustomLogger):
     """Listed in `litellm_settings.callbacks`; installs the strategy on the proxy's router and keeps it.
 
@@ -229,6 +248,7 @@ class ProxyPlugin(CustomLogger):
 
     def __init__(self) -> None:
         super().__init__()
+        _configure_logging()
         self._settings: Settings | None = None
         self._fleet: FleetView | None = None
         self._scraper_task: asyncio.Task | None = None

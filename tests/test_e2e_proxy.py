@@ -1,0 +1,144 @@
+"""End to end: real redis-server, three fake vLLM pods, the scraper and a real `litellm --config` proxy.
+
+One stack for the whole module (a proxy takes ~9 s to start). Each test scripts the pods' metrics,
+waits for the scrape to reach the proxy, then sends real HTTP requests through the proxy and reads
+which pod served them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from fake_pods import BASE_MODEL
+from procs import MASTER_KEY, Proc, free_port, litellm_proxy, lora_affinity, redis_server, wait_port, write_config
+
+SCRAPE_S = 0.1
+SETTLE_S = 0.5  # a few scrape + refresh intervals
+
+
+class Stack:
+    def __init__(self, tmp, redis: Proc, redis_port: int, pods: list[int], proxy_port: int, procs: dict):
+        self.tmp, self.redis, self.redis_port, self.pods, self.proxy_port, self.procs = (
+            tmp, redis, redis_port, pods, proxy_port, procs)
+        self.http = httpx.Client(timeout=30)
+
+    def pod_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.pods[i]}"
+
+    def script(self, *states: dict) -> None:
+        for i, state in enumerate(states):
+            self.http.post(self.pod_url(i) + "/_control/metrics", json=state).raise_for_status()
+            self.http.post(self.pod_url(i) + "/_control/reset").raise_for_status()
+        time.sleep(SETTLE_S)
+
+    def served(self) -> Counter:
+        counts: Counter = Counter()
+        for i in range(len(self.pods)):
+            counts["ABC"[i]] += len(self.http.get(self.pod_url(i) + "/_control/requests").json())
+        return counts
+
+    def complete(self, model: str, headers: dict | None = None, **body) -> httpx.Response:
+        return self.http.post(
+            f"http://127.0.0.1:{self.proxy_port}/v1/completions",
+            headers={"Authorization": f"Bearer {MASTER_KEY}", **(headers or {})},
+            json={"model": model, "prompt": "Is the Necronomicon in the movie: Army of Darkness?", "max_tokens": 5,
+                  **body},
+        )
+
+    def send(self, model: str, n: int, pace_s: float = 0.0, **kw) -> list[httpx.Response]:
+        out = []
+        for _ in range(n):
+            out.append(self.complete(model, **kw))
+            time.sleep(pace_s)
+        return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    redis_port, proxy_port = free_port(), free_port()
+    pods = [free_port() for _ in range(3)]
+    procs: dict[str, Proc] = {}
+    redis = redis_server(redis_port, tmp)
+    try:
+        procs["pods"] = Proc("pods", [sys.executable, "tests/fake_pods.py", *map(str, pods)], tmp)
+        for p in pods:
+            wait_port(p)
+        config = write_config(tmp / "config.yaml", pods, redis_port, stale_after_ms=1000)
+        procs["scraper"] = lora_affinity(["scrape", "--config", str(config)], tmp, "scraper")
+        procs["proxy"] = litellm_proxy(config, proxy_port, tmp)
+        s = Stack(tmp, redis, redis_port, pods, proxy_port, procs)
+        s.script({}, {}, {})
+        yield s
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        redis.stop()
+
+
+IDLE = {"running": 2, "waiting": 0, "kv": 0.2, "running_adapters": ["tweet-summary"]}
+
+
+def test_adapter_running_on_b_goes_to_b(stack):
+    stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
+    responses = stack.send("sql-lora", 8, pace_s=0.25)
+    assert all(r.status_code == 200 for r in responses), responses[0].text
+    assert stack.served() == Counter({"B": 8, "A": 0, "C": 0})
+
+
+def test_pod_over_the_lora_queue_threshold_is_avoided(stack):
+    stack.script({**IDLE, "waiting": 1}, {**IDLE, "waiting": 200, "running_adapters": ["sql-lora"]},
+                 {**IDLE, "waiting": 1})
+    print("sending", time.time())
+    stack.send("sql-lora", 8, pace_s=0.25)
+    served = stack.served()
+    assert served["B"] == 0 and served["A"] + served["C"] == 8
+
+
+def test_higher_kv_pod_is_avoided_among_equals(stack):
+    stack.script({**IDLE, "kv": 0.95}, {**IDLE, "kv": 0.1}, {**IDLE, "kv": 0.1})
+    stack.send("new-adapter", 8, pace_s=0.25)
+    served = stack.served()
+    assert served["A"] == 0 and served["B"] + served["C"] == 8
+
+
+def test_sheddable_request_gets_429_when_all_pods_are_saturated(stack):
+    saturated = {**IDLE, "waiting": 10}
+    stack.script(saturated, saturated, saturated)
+    by_body = stack.complete("sql-lora", metadata={"criticality": "sheddable"})
+    by_header = stack.complete("sql-lora", headers={"x-criticality": "Sheddable"})
+    critical = stack.complete("sql-lora")
+    assert by_body.status_code == 429, by_body.text
+    assert "limited backend resources" in by_body.text
+    assert by_header.status_code == 429
+    assert critical.status_code == 200
+
+
+def test_base_model_request_is_balanced(stack):
+    stack.script(IDLE, IDLE, IDLE)
+    responses = stack.send(BASE_MODEL, 15)
+    assert all(r.status_code == 200 for r in responses)
+    served = stack.served()
+    assert sum(served.values()) == 15 and min(served.values()) >= 3, served
+
+
+def test_routing_falls_back_while_redis_is_down_and_returns_after(stack):
+    stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
+    stack.redis.stop()
+    time.sleep(1.5)  # past stale_after_ms: the proxy's last snapshot is too old to use
+    responses = stack.send("sql-lora", 12)
+    assert [r.status_code for r in responses] == [200] * 12
+    served = stack.served()
+    assert served["A"] + served["C"] > 0, "with no fresh metrics the proxy shuffles"
+    log = stack.procs["proxy"].log()
+    assert log.count("cannot read pod metrics from Redis") == 1, "one log line per outage, not per request"
+
+    stack.redis = redis_server(stack.redis_port, stack.tmp)
+    stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
+    stack.send("sql-lora", 6, pace_s=0.25)
+    assert stack.served() == Counter({"B": 6, "A": 0, "C": 0})
