@@ -26,9 +26,10 @@ logger = logging.getLogger("lora_affinity.scraper")
 class _LoopClient:
     """One httpx.AsyncClient per event loop: recreated if closed or used from another loop."""
 
-    def __init__(self, pool_size: int, timeout_s: float) -> None:
+    def __init__(self, pool_size: int, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._pool_size = pool_size
         self._timeout_s = timeout_s
+        self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -39,6 +40,7 @@ class _LoopClient:
                 timeout=httpx.Timeout(self._timeout_s),
                 limits=httpx.Limits(max_connections=self._pool_size, max_keepalive_connections=self._pool_size),
                 follow_redirects=False,
+                transport=self._transport,
             )
             self._loop = loop
         return self._client
@@ -52,12 +54,13 @@ class _LoopClient:
 class Scraper:
     """Scrapes a fixed list of pods (from the config, never from requests) into Redis."""
 
-    def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None, auth: httpx.Auth | None = None):
+    def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None, auth: httpx.Auth | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None):
         self.settings = settings
         self.pods = list(pods)
         self._redis = redis_client
         self._auth = auth
-        self._http = _LoopClient(pool_size=max(4, len(self.pods)), timeout_s=settings.scrape_timeout_ms / 1000)
+        self._http = _LoopClient(max(4, len(self.pods)), settings.scrape_timeout_ms / 1000, transport)
         self._redis_down = Episode(logger, "scraper cannot write to Redis; metrics will age")
         self.cycles = 0
         self.last_records: dict[str, PodRecord] = {}

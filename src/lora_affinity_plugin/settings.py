@@ -78,13 +78,13 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{user + ':' if user else ''}***@{host}"
 
 
-def _resolve_env_refs(value: Any) -> Any:
+def _resolve_env_refs(value: Any, environ: dict[str, str]) -> Any:
     """LiteLLM's `os.environ/NAME` form, so one config file serves both."""
     if isinstance(value, str) and value.startswith("os.environ/"):
         name = value.removeprefix("os.environ/")
-        if name not in os.environ:
+        if name not in environ:
             raise SettingsError(f"environment variable {name} is not set (referenced as {value!r})")
-        return os.environ[name]
+        return environ[name]
     return value
 
 
@@ -101,8 +101,9 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
 
 def build_settings(section: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Settings:
     """Validate a `lora_affinity:` mapping plus environment overrides into Settings."""
-    raw = {key: _resolve_env_refs(value) for key, value in (section or {}).items()}
-    raw.update(_env_overrides(dict(os.environ if environ is None else environ)))
+    env = dict(os.environ if environ is None else environ)
+    raw = {key: _resolve_env_refs(value, env) for key, value in (section or {}).items()}
+    raw.update(_env_overrides(env))
     try:
         return Settings.model_validate(raw)
     except ValidationError as exc:

@@ -1,0 +1,56 @@
+"""The proxy's fleet view: dispatches since the scrape, staleness, residency of idle pods."""
+
+from lora_affinity_plugin.fleet import DISPATCH_LAG_S, FleetView
+from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import PodRecord
+
+S = build_settings({"stale_after_ms": 1000})
+
+
+def rec(pod, at, running=(), waiting=0, max_lora=4, loaded=()):
+    return PodRecord(pod, at, PodMetrics(num_requests_waiting=waiting, num_requests_running=1,
+                                         running_lora_adapters=frozenset(running), max_lora=max_lora,
+                                         loaded_lora_adapters=frozenset(loaded)))
+
+
+def test_dispatches_since_the_scrape_count_as_waiting_until_a_newer_scrape():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0)})
+    fleet.note_dispatch("a", "x", 100.2)
+    fleet.note_dispatch("a", None, 100.3)
+    (c,) = fleet.candidates(["a"], 100.4)
+    assert c.waiting == 2 and "x" in c.active_adapters
+    fleet.update({"a": rec("a", 100.3 + DISPATCH_LAG_S + 0.01, waiting=2)})  # the server now reports them
+    (c,) = fleet.candidates(["a"], 100.5)
+    assert c.waiting == 2 and "x" not in c.active_adapters
+
+
+def test_a_dispatch_just_before_a_scrape_is_not_yet_covered():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0)})
+    fleet.note_dispatch("a", "x", 100.19)
+    fleet.update({"a": rec("a", 100.2)})  # within the dispatch lag: the request may not have arrived
+    assert fleet.candidates(["a"], 100.25)[0].waiting == 1
+
+
+def test_stale_and_failing_pods_are_left_out():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 98.5), "c": PodRecord("c", 100.0, None, "HTTP 500")})
+    assert [c.key for c in fleet.candidates(["a", "b", "c", "unknown"], 100.1)] == ["a"]
+
+
+def test_an_idle_pod_keeps_its_adapters_resident():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0, running={"x", "y"}, max_lora=2)})
+    fleet.update({"a": rec("a", 100.2)})  # idle now: lora_requests_info lists nothing
+    (c,) = fleet.candidates(["a"], 100.3)
+    assert c.active_adapters == frozenset() and c.resident_adapters == {"x", "y"}
+    fleet.update({"a": rec("a", 100.4, running={"z"}, max_lora=2)})  # a third adapter evicts the oldest
+    assert len(fleet.candidates(["a"], 100.5)[0].resident_adapters) == 2
+
+
+def test_server_reported_residency_wins():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0, running={"x"}, loaded={"p", "q"})})
+    assert fleet.candidates(["a"], 100.1)[0].resident_adapters == {"p", "q"}

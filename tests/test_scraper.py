@@ -1,0 +1,106 @@
+"""The scraper: one record per pod per cycle, bad pods marked alone, one pooled client, Redis down survived."""
+
+import asyncio
+import json
+
+import fakeredis
+import httpx
+import pytest
+
+from lora_affinity_plugin.scraper import Scraper
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import PodRecord, pod_key, read_records
+
+GOOD = 'vllm:num_requests_running{model_name="m"} 3\nvllm:num_requests_waiting{model_name="m"} 1\n'
+PODS = ["http://a:8000", "http://b:8000", "http://c:8000"]
+
+
+def transport(pages: dict[str, object]) -> httpx.MockTransport:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        page = pages[f"{request.url.scheme}://{request.url.host}:{request.url.port}"]
+        if isinstance(page, Exception):
+            raise page
+        if isinstance(page, int):
+            return httpx.Response(page)
+        if page == "hang":
+            await asyncio.sleep(10)
+        return httpx.Response(200, text=page)
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.fixture
+def redis():
+    return fakeredis.aioredis.FakeRedis()
+
+
+async def test_writes_one_record_per_pod_with_a_ttl(redis):
+    settings = build_settings({"metrics_ttl_ms": 5000})
+    scraper = Scraper(settings, PODS, redis, transport=transport({p: GOOD for p in PODS}))
+    await scraper.scrape_once()
+    records = await read_records(redis, settings, PODS)
+    assert {p: r.metrics.num_requests_running for p, r in records.items()} == {p: 3 for p in PODS}
+    assert 0 < await redis.pttl(pod_key(settings, PODS[0])) <= 5000
+    assert json.loads(await redis.get(pod_key(settings, PODS[0])))["error"] is None
+
+
+async def test_a_bad_pod_is_marked_with_its_reason_and_the_others_are_untouched(redis):
+    settings = build_settings({"scrape_timeout_ms": 200, "max_page_bytes": 4096})
+    pages = {"http://a:8000": GOOD, "http://b:8000": "garbage \x00\xff", "http://c:8000": 500,
+             "http://d:8000": "hang", "http://e:8000": httpx.ConnectError("refused"),
+             "http://f:8000": GOOD + "#" * 10_000}
+    scraper = Scraper(settings, list(pages), redis, transport=transport(pages))
+    await asyncio.wait_for(scraper.scrape_once(), 2)
+    records = await read_records(redis, settings, list(pages))
+    assert records["http://a:8000"].ok
+    assert "not a vLLM metrics page" in records["http://b:8000"].error
+    assert records["http://c:8000"].error == "HTTP 500 from /metrics"
+    assert records["http://d:8000"].error == "timed out"
+    assert "ConnectError" in records["http://e:8000"].error
+    assert "max_page_bytes" in records["http://f:8000"].error
+
+
+async def test_one_pooled_client_across_cycles_recreated_when_closed(redis):
+    scraper = Scraper(build_settings({}), PODS, redis, transport=transport({p: GOOD for p in PODS}))
+    await scraper.scrape_once()
+    first = scraper._http.get()
+    await scraper.scrape_once()
+    assert scraper._http.get() is first
+    await first.aclose()
+    await scraper.scrape_once()
+    assert scraper._http.get() is not first
+    await scraper.aclose()
+    assert scraper._http._client is None
+
+
+async def test_redis_down_does_not_stop_scraping(caplog):
+    class Down:
+        def pipeline(self, transaction=False):
+            raise ConnectionError("redis is down")
+
+        async def aclose(self):
+            pass
+
+    scraper = Scraper(build_settings({}), PODS, Down(), transport=transport({p: GOOD for p in PODS}))
+    for _ in range(3):
+        records = await scraper.scrape_once()
+    assert all(r.ok for r in records) and scraper.cycles == 3
+    assert sum("cannot write to Redis" in r.message for r in caplog.records) == 1
+
+
+async def test_run_keeps_the_interval_and_stops(redis):
+    settings = build_settings({"scrape_interval_ms": 20})
+    scraper = Scraper(settings, PODS, redis, transport=transport({p: GOOD for p in PODS}))
+    stop = asyncio.Event()
+    task = asyncio.create_task(scraper.run(stop))
+    await asyncio.sleep(0.25)
+    stop.set()
+    await asyncio.wait_for(task, 1)
+    assert 6 <= scraper.cycles <= 14
+
+
+def test_record_round_trip():
+    from lora_affinity_plugin.parsing import parse_metrics
+
+    record = PodRecord("http://a:8000", 12.5, parse_metrics(GOOD))
+    assert PodRecord.from_json(record.to_json()) == record

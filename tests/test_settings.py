@@ -1,0 +1,51 @@
+"""One settings model: defaults, the config section, env overrides, clear errors, no secrets."""
+
+import pytest
+
+from lora_affinity_plugin.settings import Settings, SettingsError, build_settings, redact_url, settings_from_config
+
+
+def test_defaults_are_the_endpoint_pickers():
+    s = build_settings({}, environ={})
+    assert (s.queueing_threshold_lora, s.lora_affinity_threshold, s.kv_cache_threshold,
+            s.queue_threshold_critical, s.scrape_interval_ms) == (128, 0.999, 0.8, 5, 200)
+
+
+def test_config_section_env_refs_and_env_overrides():
+    config = {"lora_affinity": {"redis_url": "os.environ/MY_REDIS", "kv_cache_threshold": 0.5}}
+    env = {"MY_REDIS": "redis://r:6379/1", "LORA_AFFINITY_KV_CACHE_THRESHOLD": "0.7",
+           "LORA_AFFINITY_SHEDDABLE_MODEL_GROUPS": "batch, offline"}
+    s = settings_from_config(config, env)
+    assert s.redis_url == "redis://r:6379/1"
+    assert s.kv_cache_threshold == 0.7
+    assert s.sheddable_model_groups == ["batch", "offline"]
+
+
+@pytest.mark.parametrize("section,field,fragment", [
+    ({"kv_cache_threshold": 1.5}, "kv_cache_threshold", "less than or equal to 1"),
+    ({"lora_affinity_threshold": -0.1}, "lora_affinity_threshold", "greater than or equal to 0"),
+    ({"queueing_threshold_lora": "many"}, "queueing_threshold_lora", "valid integer"),
+    ({"scrape_interval_ms": 1}, "scrape_interval_ms", "greater than or equal to 10"),
+    ({"rule_set": "round-robin"}, "rule_set", "'lora-affinity' or 'gie-v0.2'"),
+    ({"redis_url": "http://x"}, "redis_url", "redis://"),
+    ({"queue_treshold_critical": 3}, "queue_treshold_critical", "unknown setting"),
+])
+def test_bad_values_name_the_field_the_value_and_what_is_allowed(section, field, fragment):
+    with pytest.raises(SettingsError) as err:
+        build_settings(section, environ={})
+    message = str(err.value)
+    assert field in message and fragment in message
+
+
+def test_missing_env_reference_is_named():
+    with pytest.raises(SettingsError, match="NOPE_NOT_SET"):
+        build_settings({"redis_url": "os.environ/NOPE_NOT_SET"}, environ={})
+
+
+def test_passwords_never_appear_in_errors_or_redacted_urls():
+    assert redact_url("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact_url("rediss://:s3cret@host:6380") == "rediss://***@host:6380"
+    with pytest.raises(SettingsError) as err:
+        build_settings({"redis_url": "redis://:s3cret@host", "kv_cache_threshold": 9}, environ={})
+    assert "s3cret" not in str(err.value)
+    assert Settings(redis_url="redis://:s3cret@h:1").redacted_redis_url() == "redis://***@h:1"

@@ -1,0 +1,186 @@
+"""The LiteLLM adapter on a real litellm.Router: mapping, hand-back, fallback, criticality, install."""
+
+import copy
+import logging
+import random
+import time
+
+import litellm
+import pytest
+
+from lora_affinity_plugin import strategy as strategy_mod
+from lora_affinity_plugin.fleet import FleetView
+from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import PodRecord
+from lora_affinity_plugin.strategy import LoraAffinityStrategy, ProxyPlugin, install, installed_strategy
+
+PODS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+
+
+def wildcard_list(prefixes=("hosted_vllm",) * 3):
+    return [{"model_name": "*", "litellm_params": {"model": f"{prefix}/*", "api_base": pod + "/v1/", "api_key": "x"}}
+            for prefix, pod in zip(prefixes, PODS)]
+
+
+def record(pod, running=(), waiting=0, kv=0.1, models=("base-model",)):
+    return PodRecord(pod=pod, scraped_at=time.time(), metrics=PodMetrics(
+        num_requests_waiting=waiting, num_requests_running=2, kv_cache_usage=kv,
+        running_lora_adapters=frozenset(running), max_lora=4, model_names=frozenset(models)))
+
+
+def make(model_list=None, **settings):
+    router = litellm.Router(model_list=model_list or wildcard_list(), num_retries=0)
+    s = build_settings(settings)
+    fleet = FleetView(s)
+    strat = LoraAffinityStrategy(router, s, rng=random.Random(3), fleet=fleet)
+    router.set_custom_routing_strategy(strat)
+    return router, strat, fleet
+
+
+async def route(router, model, **kwargs):
+    dep = await router.async_get_available_deployment(model=model, messages=[{"role": "user", "content": "x"}],
+                                                     request_kwargs=kwargs)
+    return dep["litellm_params"]["api_base"].removesuffix("/v1/")
+
+
+async def test_routes_to_the_pod_running_the_adapter_whatever_the_provider_prefix():
+    router, strat, fleet = make(wildcard_list(("hosted_vllm", "openai", "hosted_vllm")))
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    assert {await route(router, "sql-lora") for _ in range(5)} == {PODS[1]}
+    assert strat.decisions == 5 and strat.fallbacks == 0
+
+
+async def test_exactly_one_healthy_deployments_call_per_decision(monkeypatch):
+    router, strat, fleet = make()
+    fleet.update({p: record(p) for p in PODS})
+    calls = []
+    original = router.async_get_healthy_deployments
+
+    async def spy(**kwargs):
+        calls.append(kwargs["model"])
+        return await original(**kwargs)
+
+    monkeypatch.setattr(router, "async_get_healthy_deployments", spy)
+    await route(router, "sql-lora")
+    assert calls == ["sql-lora"]
+
+
+async def test_the_router_hands_out_copies_of_deployments():
+    """Regression: a cache keyed by id() of the dicts mixed up pods when copies were recycled."""
+    router, strat, fleet = make()
+    for _ in range(30):
+        strat.fleet = FleetView(strat.settings)  # a fresh view each time: no dispatches pile up
+        strat.fleet.update({p: record(p, running={"a"} if p == PODS[2] else ()) for p in PODS})
+        healthy = [copy.deepcopy(d) for d in router.model_list]
+        random.shuffle(healthy)
+        chosen = strat.pick("a", healthy, {})
+        assert chosen["litellm_params"]["api_base"].startswith(PODS[2])
+
+
+async def test_group_without_metrics_is_handed_back_to_litellm():
+    router, strat, fleet = make()
+    assert await route(router, "sql-lora") in PODS
+    assert strat.decisions == 0 and strat.fallbacks == 0
+
+
+async def test_named_groups_and_explicit_adapter_field():
+    model_list = [
+        {"model_name": "sql", "litellm_params": {"model": "hosted_vllm/sql-lora", "api_base": PODS[0]}},
+        {"model_name": "sql", "litellm_params": {"model": "openai/sql-lora", "api_base": PODS[1]}},
+        {"model_name": "tweets", "litellm_params": {"model": "hosted_vllm/x", "api_base": PODS[0]},
+         "model_info": {"lora_adapter": "tweet-summary"}},
+        {"model_name": "tweets", "litellm_params": {"model": "hosted_vllm/x", "api_base": PODS[1]},
+         "model_info": {"lora_adapter": "tweet-summary"}},
+    ]
+    router, strat, fleet = make(model_list)
+    fleet.update({PODS[0]: record(PODS[0], running={"tweet-summary"}), PODS[1]: record(PODS[1], running={"sql-lora"})})
+    assert {await route(router, "sql") for _ in range(4)} == {PODS[1].removesuffix("/v1/")}
+    dep = await router.async_get_available_deployment(model="tweets", request_kwargs={})
+    assert dep["litellm_params"]["api_base"] == PODS[0]
+
+
+async def test_base_model_request_skips_lora_rules():
+    router, strat, fleet = make()
+    fleet.update({p: record(p, running={"x"} if p == PODS[0] else ()) for p in PODS})
+    seen = {await route(router, "base-model") for _ in range(30)}
+    assert len(seen) >= 2  # balanced, not pinned to the pod running an adapter
+
+
+async def test_no_fresh_metrics_falls_back_to_shuffle_and_logs_once(caplog):
+    router, strat, fleet = make(stale_after_ms=100)
+    fleet.update({p: PodRecord(pod=p, scraped_at=time.time() - 5, metrics=PodMetrics()) for p in PODS})
+    with caplog.at_level(logging.WARNING, logger="lora_affinity"):
+        seen = {await route(router, "sql-lora") for _ in range(40)}
+    assert seen == set(PODS)
+    assert strat.fallbacks == 40
+    assert sum("simple-shuffle" in r.message for r in caplog.records) == 1
+
+
+async def test_a_plugin_bug_never_fails_a_request(monkeypatch):
+    router, strat, fleet = make()
+    fleet.update({p: record(p) for p in PODS})
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("bug")
+
+    monkeypatch.setattr(strategy_mod, "choose_pod", boom)
+    assert await route(router, "sql-lora") in PODS
+    assert strat.fallbacks == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"metadata": {"criticality": "sheddable"}},
+    {"litellm_metadata": {"criticality": "SHEDDABLE"}},
+    {"metadata": {"headers": {"x-criticality": "Sheddable"}}},
+])
+async def test_sheddable_request_gets_rate_limit_error_when_saturated(kwargs):
+    router, strat, fleet = make()
+    fleet.update({p: record(p, waiting=50) for p in PODS})
+    with pytest.raises(litellm.RateLimitError, match="limited backend resources"):
+        await route(router, "sql-lora", **kwargs)
+    assert await route(router, "sql-lora") in PODS  # critical is still served
+
+
+async def test_sheddable_model_group_from_settings():
+    router, strat, fleet = make(sheddable_model_groups=["batch-lora"])
+    fleet.update({p: record(p, kv=0.95) for p in PODS})
+    with pytest.raises(litellm.RateLimitError):
+        await route(router, "batch-lora")
+
+
+async def test_no_healthy_deployment_is_503():
+    router, strat, fleet = make()
+    with pytest.raises(litellm.ServiceUnavailableError):
+        strat.pick("sql-lora", [], {})
+
+
+async def test_proxy_plugin_reinstalls_after_the_router_drops_it(monkeypatch):
+    from litellm.proxy import proxy_server
+
+    router = litellm.Router(model_list=wildcard_list())
+    monkeypatch.setattr(proxy_server, "llm_router", router)
+    monkeypatch.setattr(proxy_server, "user_config_file_path", None)
+    plugin = ProxyPlugin()
+    try:
+        first = plugin.ensure_installed()
+        assert installed_strategy(router) is first
+        router.update_settings(routing_strategy="least-busy")  # what a settings sync does
+        assert installed_strategy(router) is None
+        second = plugin.ensure_installed()
+        assert installed_strategy(router) is second and second is not first
+        assert second.fleet is first.fleet
+    finally:
+        plugin._watcher and plugin._watcher.cancel()
+        for s in (first, second):
+            s.stop()
+
+
+async def test_install_for_python_router_users():
+    router = litellm.Router(model_list=wildcard_list())
+    strat = install(router, build_settings({"redis_url": "redis://127.0.0.1:1/0"}))
+    try:
+        assert installed_strategy(router) is strat
+        assert await route(router, "x") in PODS  # no metrics (Redis unreachable): LiteLLM routes
+    finally:
+        strat.stop()
