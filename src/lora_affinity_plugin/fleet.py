@@ -64,6 +64,8 @@ class FleetView:
         slots = metrics.max_lora or _DEFAULT_SLOTS
         if metrics.loaded_lora_adapters:
             resident = metrics.loaded_lora_adapters
+        elif not self.settings.remember_residency:
+            resident = active
         else:
             for adapter in sorted(active):
                 _touch(state.resident, adapter, slots)
@@ -93,7 +95,7 @@ class FleetView:
 
     def note_dispatch(self, pod: str, adapter: str | None, now: float) -> None:
         state = self._pods.get(pod)
-        if state is None:
+        if state is None or not self.settings.count_dispatches:
             return
         state.pending.append((now, adapter))
         state.view = None

@@ -53,6 +53,11 @@ class Settings(BaseModel):
     spill_queue_margin: int = Field(4, ge=0)
     """lora-affinity rules: leave an adapter's pods for a fresh pod once they wait this many more requests."""
 
+    count_dispatches: bool = True
+    """Add requests sent since a pod's last scrape to its queue (stops herding on one snapshot)."""
+    remember_residency: bool = True
+    """Keep adapters an idle pod ran recently as resident (activity metrics forget them)."""
+
     sheddable_model_groups: list[str] = Field(default_factory=list)
     adapter_info_key: str = "lora_adapter"
     """model_info key naming a deployment's adapter explicitly."""

@@ -1,0 +1,150 @@
+"""Benchmark results: one per strategy, the table, the JSON file and the chart."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RequestOutcome:
+    replica: int | None
+    ok: bool
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+
+@dataclass
+class Result:
+    strategy: str
+    scenario: str
+    mode: str
+    completed: int
+    timeouts: int
+    errors: int
+    duration_s: float
+    output_tokens: int
+    ttft_s: dict[str, float] = field(default_factory=dict)
+    e2e_s: dict[str, float] = field(default_factory=dict)
+    per_replica: list[int] = field(default_factory=list)
+    seeds: int = 1
+
+    @property
+    def req_per_s(self) -> float:
+        return self.completed / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["req_per_s"] = round(self.req_per_s, 3)
+        out["output_tokens_per_s"] = round(self.output_tokens_per_s, 1)
+        return out
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(strategy: str, scenario: str, mode: str, outcomes: list[RequestOutcome], duration_s: float,
+              replicas: int) -> Result:
+    done = [o for o in outcomes if o.ok]
+    per_replica = [0] * replicas
+    for o in outcomes:
+        if o.replica is not None:
+            per_replica[o.replica] += 1
+    return Result(
+        strategy=strategy, scenario=scenario, mode=mode, completed=len(done),
+        timeouts=sum(1 for o in outcomes if not o.ok and o.e2e_s is None),
+        errors=sum(1 for o in outcomes if not o.ok and o.e2e_s is not None),
+        duration_s=round(duration_s, 3), output_tokens=sum(o.output_tokens for o in done),
+        ttft_s=percentiles([o.ttft_s for o in done if o.ttft_s is not None]),
+        e2e_s=percentiles([o.e2e_s for o in done if o.e2e_s is not None]),
+        per_replica=per_replica,
+    )
+
+
+def median_result(results: list[Result]) -> Result:
+    """The per-strategy median over seeds (completed, tokens, latencies), reported as one row."""
+    if len(results) == 1:
+        return results[0]
+    ordered = sorted(results, key=lambda r: r.completed)
+    mid = ordered[len(ordered) // 2]
+    return Result(
+        strategy=mid.strategy, scenario=mid.scenario, mode=mid.mode,
+        completed=int(statistics.median(r.completed for r in results)),
+        timeouts=int(statistics.median(r.timeouts for r in results)),
+        errors=int(statistics.median(r.errors for r in results)),
+        duration_s=statistics.median(r.duration_s for r in results),
+        output_tokens=int(statistics.median(r.output_tokens for r in results)),
+        ttft_s=mid.ttft_s, e2e_s=mid.e2e_s, per_replica=mid.per_replica, seeds=len(results),
+    )
+
+
+def _spread(counts: list[int]) -> str:
+    return f"{min(counts)}-{max(counts)}" if counts else "-"
+
+
+def format_table(results: list[Result]) -> str:
+    base = next((r for r in results if r.strategy == "simple-shuffle"), None)
+    head = (f"{'strategy':<24}{'completed':>10}{'timeouts':>9}{'errors':>7}{'req/s':>7}{'out tok/s':>10}"
+            f"{'TTFT p50/p90/p99 s':>21}{'e2e p50/p90/p99 s':>22}{'per-replica':>13}{'vs shuffle':>11}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = f"{r.output_tokens_per_s / base.output_tokens_per_s:.2f}x" if base and base.output_tokens_per_s else "-"
+        t = r.ttft_s or {}
+        e = r.e2e_s or {}
+        lines.append(
+            f"{r.strategy:<24}{r.completed:>10}{r.timeouts:>9}{r.errors:>7}{r.req_per_s:>7.2f}"
+            f"{r.output_tokens_per_s:>10.0f}"
+            f"{'/'.join(f'{t.get(k, 0):.1f}' for k in ('p50', 'p90', 'p99')):>21}"
+            f"{'/'.join(f'{e.get(k, 0):.0f}' for k in ('p50', 'p90', 'p99')):>22}"
+            f"{_spread(r.per_replica):>13}{ratio:>11}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(results: list[Result], path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps([r.to_dict() for r in results], indent=2))
+
+
+def write_chart(results: list[Result], path: str, title: str) -> str | None:
+    """A bar chart of completed requests and output tok/s; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    names = [r.strategy for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, values, label in (
+        (axes[0], [r.completed for r in results], "completed requests"),
+        (axes[1], [r.output_tokens_per_s for r in results], "output tokens/s (simulated time)"),
+    ):
+        colors = ["tab:green" if n == "lora-affinity" else "tab:gray" for n in names]
+        ax.barh(names, values, color=colors)
+        ax.set_xlabel(label)
+        ax.invert_yaxis()
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.0f}", va="center")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

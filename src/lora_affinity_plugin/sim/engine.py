@@ -1,0 +1,256 @@
+"""One simulated vLLM replica with multi-LoRA: the model both the live servers and fast mode run.
+
+It follows shared/docs/simulator-model.md: a step is all prefill (first) or all decode; the
+waiting queue is scanned first-come-first-served and a request whose adapter would be a
+(max_loras + 1)-th distinct adapter of the batch is skipped and keeps its place; KV blocks run
+out -> the newest running request is preempted and recomputed later; adapters live in a GPU LRU
+(max_loras slots, ~15 ms to activate) and a CPU LRU (max_cpu_loras, ~1 s to load from disk).
+
+The engine has no clock of its own: callers ask how long the next step takes (`plan_step`) and
+then apply it (`finish_step`), in real time (the live server) or virtual time (fast mode).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    max_loras: int = 4
+    max_cpu_loras: int = 12
+    kv_blocks: int = 700
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    activation_ms: float = 15.0
+    disk_load_ms: float = 1000.0
+    base_model: str = "meta-llama/Llama-2-7b-hf"
+    mean_output_tokens: float = 580.0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    request_id: str
+    adapter: str | None
+    prompt_tokens: int
+    target_tokens: int
+    arrival: float
+    generated: int = 0
+    blocks: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    aborted: bool = False
+    prefilled: bool = False
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.target_tokens
+
+
+@dataclass
+class StepResult:
+    """What one step did, for the caller to deliver tokens and completions."""
+
+    tokens: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class ReplicaEngine:
+    def __init__(self, config: EngineConfig, rng: random.Random, warm_adapters: list[str] | None = None,
+                 gpu_adapters: list[str] | None = None) -> None:
+        self.config = config
+        self.rng = rng
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.gpu: OrderedDict[str, None] = OrderedDict()
+        self.cpu: OrderedDict[str, None] = OrderedDict()
+        self.free_blocks = config.kv_blocks
+        self._planned: tuple[str, list[Sequence]] | None = None
+        # Counters for /metrics.
+        self.finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions = 0
+        for adapter in warm_adapters or []:
+            _lru_put(self.cpu, adapter, config.max_cpu_loras)
+        for adapter in gpu_adapters or []:
+            _lru_put(self.cpu, adapter, config.max_cpu_loras)
+            _lru_put(self.gpu, adapter, config.max_loras)
+
+    # --- requests ----------------------------------------------------------------------------
+    def output_length(self, max_tokens: int) -> int:
+        return max(1, min(max_tokens, 1 + int(self.rng.expovariate(1.0 / self.config.mean_output_tokens))))
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """A client went away: the sequence leaves the batch and frees its KV blocks, like vLLM."""
+        if seq.finished_at is not None or seq.aborted:
+            return
+        seq.aborted = True
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        self.finished_by_reason["abort"] += 1
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # --- stepping ----------------------------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.config.block_size)
+
+    def _adapter_cost_ms(self, adapter: str | None, protected: set[str]) -> float:
+        """Bring an adapter into a GPU slot (and from disk into CPU first if needed)."""
+        if adapter is None or adapter in self.gpu:
+            if adapter is not None:
+                self.gpu.move_to_end(adapter)
+            return 0.0
+        cost = self.config.activation_ms
+        if adapter not in self.cpu:
+            cost += self.config.disk_load_ms
+        _lru_put(self.cpu, adapter, self.config.max_cpu_loras)
+        if len(self.gpu) >= self.config.max_loras:
+            for victim in self.gpu:  # least recently used slot not serving the batch
+                if victim not in protected:
+                    del self.gpu[victim]
+                    break
+        self.gpu[adapter] = None
+        return cost
+
+    def plan_step(self) -> float:
+        """Decide the next step; returns its duration in ms (0 when idle)."""
+        admitted, cost_ms = self._admit()
+        if admitted:
+            tokens = sum(s.context for s in admitted)
+            self._planned = ("prefill", admitted)
+            return (50 + 0.18 * tokens) * 1.17 + cost_ms
+        if self.running:
+            self._planned = ("decode", list(self.running))
+            batch = len(self.running)
+            kv_tokens = sum(s.context for s in self.running)
+            adapters = {s.adapter for s in self.running if s.adapter is not None}
+            base = 48 + 0.35 * batch + 0.002 * kv_tokens
+            return base * 1.17 + 0.5 * len(adapters) if adapters else base
+        self._planned = None
+        return 0.0
+
+    def _admit(self) -> tuple[list[Sequence], float]:
+        """vLLM's FCFS scan with the max_loras skip rule."""
+        if not self.waiting:
+            return [], 0.0
+        batch_adapters = {s.adapter for s in self.running if s.adapter is not None}
+        admitted: list[Sequence] = []
+        tokens = 0
+        cost = 0.0
+        for seq in list(self.waiting):
+            if len(self.running) + len(admitted) >= self.config.max_num_seqs:
+                break
+            if seq.adapter is not None and seq.adapter not in batch_adapters:
+                if len(batch_adapters) >= self.config.max_loras:
+                    continue  # skipped: keeps its place, later requests may overtake it
+            need = self._blocks_for(seq.context + 1)
+            if need > self.free_blocks or tokens + seq.context > self.config.max_num_batched_tokens:
+                break
+            self.free_blocks -= need
+            seq.blocks = need
+            tokens += seq.context
+            if seq.adapter is not None:
+                batch_adapters.add(seq.adapter)
+                cost += self._adapter_cost_ms(seq.adapter, batch_adapters)
+            self.waiting.remove(seq)
+            admitted.append(seq)
+        return admitted, cost
+
+    def finish_step(self, now: float) -> StepResult:
+        """Apply the planned step at time `now` (seconds, any clock)."""
+        result = StepResult()
+        if self._planned is None:
+            return result
+        kind, seqs = self._planned
+        self._planned = None
+        if kind == "prefill":
+            for seq in seqs:
+                if seq.aborted:
+                    continue
+                self.prompt_tokens_total += seq.prompt_tokens if not seq.prefilled else 0
+                seq.prefilled = True
+                self.running.append(seq)
+                self._emit(seq, now, result)
+            return result
+        for seq in seqs:
+            if seq.aborted or seq not in self.running:
+                continue
+            need = self._blocks_for(seq.context + 1)
+            while need > seq.blocks and self.free_blocks < need - seq.blocks:
+                victim = self.running[-1]  # the newest running request is preempted
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.aborted or seq not in self.running:
+                continue
+            if need > seq.blocks:
+                self.free_blocks -= need - seq.blocks
+                seq.blocks = need
+            self._emit(seq, now, result)
+        return result
+
+    def _emit(self, seq: Sequence, now: float, result: StepResult) -> None:
+        seq.generated += 1
+        self.generation_tokens_total += 1
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        result.tokens.append(seq)
+        if seq.done:
+            seq.finished_at = now
+            self.running.remove(seq)
+            self.free_blocks += seq.blocks
+            seq.blocks = 0
+            self.finished_by_reason["length" if seq.target_tokens >= 750 else "stop"] += 1
+            result.finished.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        self.waiting.insert(0, seq)  # recompute: back to the front of the queue
+        self.preemptions += 1
+
+    # --- observation -------------------------------------------------------------------------
+    def snapshot(self):
+        """The pod's state as vLLM's metrics would show it."""
+        from ..scheduling import PodMetrics
+
+        return PodMetrics(
+            num_requests_waiting=len(self.waiting),
+            num_requests_running=len(self.running),
+            kv_cache_usage=1 - self.free_blocks / self.config.kv_blocks,
+            running_lora_adapters=frozenset(s.adapter for s in self.running if s.adapter),
+            waiting_lora_adapters=frozenset(s.adapter for s in self.waiting if s.adapter),
+            max_lora=self.config.max_loras,
+            block_size=self.config.block_size,
+            num_gpu_blocks=self.config.kv_blocks,
+            model_names=frozenset({self.config.base_model}),
+        )
+
+
+def _lru_put(lru: OrderedDict[str, None], key: str, capacity: int) -> None:
+    lru[key] = None
+    lru.move_to_end(key)
+    while len(lru) > capacity:
+        lru.popitem(last=False)

@@ -1,0 +1,167 @@
+"""Fast mode: the replica model as a discrete-event simulation in virtual time.
+
+The client, the connections, the replicas, the scraper's cadence and each gateway's view all
+advance on one event heap, so a 300 s scenario takes about a second. Routing runs through the
+policies in `policies.py`, which for our rule sets is the plugin's real code.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from ..bench.results import RequestOutcome, Result, summarize
+from ..bench.scenarios import Scenario
+from .engine import EngineConfig, ReplicaEngine, Sequence
+from .policies import make_policy
+
+SCRAPE_INTERVAL_S = 0.2
+REFRESH_LAG_S = 0.1
+"""A gateway sees a scrape on its next refresh: half an interval later on average."""
+
+
+@dataclass
+class Request:
+    index: int
+    arrival: float
+    adapter: str
+    stream: bool
+
+
+def workload(scenario: Scenario, rng: random.Random) -> list[Request]:
+    """Who asks for which adapter when: the same list for every strategy of a run."""
+    adapters = list(scenario.adapters)
+    if scenario.zipf_s is None:
+        weights = None
+    else:
+        weights = [1 / (rank + 1) ** scenario.zipf_s for rank in range(len(adapters))]
+    out, t = [], 0.0
+    for i in range(scenario.requests):
+        if scenario.arrival_rate:
+            t += rng.expovariate(scenario.arrival_rate)
+        adapter = rng.choices(adapters, weights)[0] if weights else rng.choice(adapters)
+        out.append(Request(i, t, adapter, rng.random() < scenario.stream_share))
+    return out
+
+
+def engine_config(scenario: Scenario) -> EngineConfig:
+    return EngineConfig(max_loras=scenario.max_loras, max_cpu_loras=scenario.max_cpu_loras)
+
+
+def make_engines(scenario: Scenario, seed: int) -> list[ReplicaEngine]:
+    """Warm: every adapter in each CPU cache and the GPU slots filled round-robin, as after a warm-up."""
+    config = engine_config(scenario)
+    engines = []
+    for r in range(scenario.replicas):
+        adapters = list(scenario.adapters)
+        gpu = [adapters[(r * config.max_loras + j) % len(adapters)] for j in range(config.max_loras)]
+        engine = ReplicaEngine(config, random.Random(f"{seed}-replica-{r}"),
+                               adapters if scenario.warm else [], gpu if scenario.warm else [])
+        engines.append(engine)
+    return engines
+
+
+def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1,
+             overrides: dict | None = None) -> Result:
+    rng = random.Random(seed)
+    requests = workload(scenario, random.Random(f"{seed}-workload"))
+    engines = make_engines(scenario, seed)
+    policies = [make_policy(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
+                for g in range(gateways)]
+    counter = itertools.count()
+    heap: list[tuple[float, int, str, object]] = []
+
+    def push(at: float, kind: str, data: object = None) -> None:
+        heapq.heappush(heap, (at, next(counter), kind, data))
+
+    outcomes: dict[int, RequestOutcome] = {}
+    seqs: dict[int, tuple[Sequence, int, int, Request]] = {}  # index -> (seq, replica, connection, request)
+    by_seq: dict[int, int] = {}
+    busy = [False] * scenario.replicas
+    free_connections = deque(range(scenario.connections))
+    pending: deque[Request] = deque()
+    last_event = 0.0
+
+    def kick(replica: int, now: float) -> None:
+        if busy[replica]:
+            return
+        duration_ms = engines[replica].plan_step()
+        if duration_ms > 0:
+            busy[replica] = True
+            push(now + duration_ms / 1000, "step", replica)
+
+    def dispatch(now: float) -> None:
+        while free_connections and pending:
+            req = pending.popleft()
+            if req.index in outcomes:
+                continue  # timed out while waiting for a connection
+            connection = free_connections.popleft()
+            gateway = policies[connection % gateways]
+            replica = gateway.route(req.adapter, connection, now)
+            engine = engines[replica]
+            seq = Sequence(str(req.index), req.adapter, scenario.prompt_tokens,
+                           engine.output_length(scenario.max_tokens), arrival=req.arrival)
+            engine.add(seq)
+            seqs[req.index] = (seq, replica, connection, req)
+            by_seq[id(seq)] = req.index
+            kick(replica, now)
+
+    def release(index: int, now: float, outcome: RequestOutcome) -> None:
+        outcomes[index] = outcome
+        entry = seqs.pop(index, None)
+        if entry is not None:
+            free_connections.append(entry[2])
+
+    # The gateways have been running before the load starts: they already see one scrape.
+    push(0.0, "visible", ([e.snapshot() for e in engines], [frozenset(e.gpu) for e in engines], 0.0))
+    for req in requests:
+        push(req.arrival, "arrive", req)
+        push(req.arrival + scenario.deadline_s, "timeout", req.index)
+    push(0.0, "scrape")
+
+    while heap and len(outcomes) < len(requests):
+        now, _, kind, data = heapq.heappop(heap)
+        if kind == "arrive":
+            pending.append(data)
+            dispatch(now)
+        elif kind == "step":
+            replica = data
+            busy[replica] = False
+            result = engines[replica].finish_step(now)
+            for seq in result.finished:
+                index = by_seq.pop(id(seq))
+                _, _, _, req = seqs[index]
+                latency = now - req.arrival
+                for policy in policies:
+                    policy.completed(replica, now, latency, seq.generated)
+                release(index, now, RequestOutcome(replica, True, seq.generated, seq.first_token_at - req.arrival,
+                                                   latency))
+                last_event = now
+            kick(replica, now)
+            dispatch(now)
+        elif kind == "timeout":
+            index = data
+            if index in outcomes:
+                continue
+            entry = seqs.get(index)
+            if entry is not None:
+                engines[entry[1]].abort(entry[0])  # the client hangs up: vLLM aborts the request
+                by_seq.pop(id(entry[0]), None)
+            release(index, now, RequestOutcome(entry[1] if entry else None, False))
+            last_event = now
+            dispatch(now)
+        elif kind == "scrape":
+            snapshots = [e.snapshot() for e in engines]
+            gpu = [frozenset(e.gpu) for e in engines]
+            push(now + REFRESH_LAG_S, "visible", (snapshots, gpu, now))
+            push(now + SCRAPE_INTERVAL_S, "scrape")
+        elif kind == "visible":
+            snapshots, gpu, scraped_at = data
+            for policy in policies:
+                policy.scraped(snapshots, gpu, scraped_at)
+
+    ordered = [outcomes[r.index] for r in requests]
+    return summarize(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
