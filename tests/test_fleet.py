@@ -41,7 +41,7 @@ def test_stale_and_failing_pods_are_left_out():
 
 
 def test_an_idle_pod_keeps_its_adapters_resident():
-    fleet = FleetView(S)
+    fleet = FleetView(build_settings({"residency_memory": 1}))  # remember exactly max_lora adapters
     fleet.update({"a": rec("a", 100.0, running={"x", "y"}, max_lora=2)})
     fleet.update({"a": rec("a", 100.2)})  # idle now: lora_requests_info lists nothing
     (c,) = fleet.candidates(["a"], 100.3)

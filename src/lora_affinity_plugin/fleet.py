@@ -61,7 +61,7 @@ class FleetView:
         metrics = state.record.metrics
         assert metrics is not None
         active = metrics.running_lora_adapters | metrics.waiting_lora_adapters
-        slots = metrics.max_lora or _DEFAULT_SLOTS
+        slots = self._memory(metrics.max_lora)
         if metrics.loaded_lora_adapters:
             resident = metrics.loaded_lora_adapters
         elif not self.settings.remember_residency:
@@ -79,6 +79,9 @@ class FleetView:
             resident_adapters=resident,
             max_lora=metrics.max_lora,
         )
+
+    def _memory(self, max_lora: int | None) -> int:
+        return (max_lora or _DEFAULT_SLOTS) * self.settings.residency_memory
 
     # --- request side ------------------------------------------------------------------------
     def knows(self, pods: Iterable[str]) -> bool:
@@ -100,7 +103,7 @@ class FleetView:
         state.pending.append((now, adapter))
         state.view = None
         if adapter is not None:
-            _touch(state.resident, adapter, (state.base.max_lora if state.base else None) or _DEFAULT_SLOTS)
+            _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
 
     def candidates(self, pods: Sequence[str], now: float) -> list[Candidate]:
         """Fresh pods with their not-yet-scraped dispatches added; stale or failing pods are left out."""

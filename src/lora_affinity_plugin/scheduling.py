@@ -216,24 +216,21 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     adapter = request.adapter
     fleet_min = min(p.load for p in pods)
     holders = [p for p in pods if adapter in p.active_adapters]
-    if holders and min(p.load for p in holders) <= fleet_min + settings.spill_queue_margin:
-        pods = run.apply("adapter_active", pods, holders)
+    roomy = [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin]
+    if roomy:
+        pods = run.apply("adapter_active", pods, roomy)
         pods = run.apply("least_load", pods, _least_load(pods))
         pods = run.apply("least_kv", pods, _least_kv(pods))
         return run.pick(pods, "affinity")
 
-    # Place (or spill) the adapter: a pod with a free slot, preferring one that still holds it,
-    # then the least loaded, then the one running the fewest distinct adapters.
-    free = [p for p in pods if adapter not in p.active_adapters and p.has_free_slot()]
+    # Place (or spill) the adapter where it adds the least contention: a pod with a free slot,
+    # one that still holds it, then the fewest distinct adapters, then the least load.
     branch = "spill" if holders else "place"
-    if not free:
-        pods = run.apply("least_load", pods, _least_load(pods))
-        pods = run.apply("least_kv", pods, _least_kv(pods))
-        return run.pick(pods, branch + "_no_free_slot")
-    pods = run.apply("free_slot", pods, free)
-    pods = run.apply("resident", pods, [p for p in pods if adapter in p.resident_adapters])
-    pods = run.apply("least_load", pods, _least_load(pods))
+    others = [p for p in pods if adapter not in p.active_adapters] or pods
+    pods = run.apply("resident", others, [p for p in others if adapter in p.resident_adapters])
+    pods = run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
     fewest = min(len(p.active_adapters) for p in pods)
     pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
+    pods = run.apply("least_load", pods, _least_load(pods))
     pods = run.apply("least_kv", pods, _least_kv(pods))
     return run.pick(pods, branch)

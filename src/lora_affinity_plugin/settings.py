@@ -50,13 +50,16 @@ class Settings(BaseModel):
 
     # Which rule tree runs, and our additions to it.
     rule_set: RuleSet = "lora-affinity"
-    spill_queue_margin: int = Field(4, ge=0)
-    """lora-affinity rules: leave an adapter's pods for a fresh pod once they wait this many more requests."""
+    spill_queue_margin: int = Field(16, ge=0)
+    """lora-affinity rules: spill an adapter to another pod once all its pods carry this many more
+    requests than the least-loaded pod (a bigger batch is almost free; another adapter is not)."""
 
     count_dispatches: bool = True
     """Add requests sent since a pod's last scrape to its queue (stops herding on one snapshot)."""
     remember_residency: bool = True
     """Keep adapters an idle pod ran recently as resident (activity metrics forget them)."""
+    residency_memory: int = Field(2, ge=1, le=64)
+    """How many adapters per GPU slot a pod is remembered to hold (vLLM also keeps CPU copies)."""
 
     sheddable_model_groups: list[str] = Field(default_factory=list)
     adapter_info_key: str = "lora_adapter"

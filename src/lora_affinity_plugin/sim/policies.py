@@ -134,6 +134,21 @@ class SeedPicker(Policy):
         return self.rng.choice(holders) if holders else self.rng.randrange(self.replicas)
 
 
+class StaticPartition(Policy):
+    """A reference, not a product: each adapter pinned to one replica (adapters dealt round-robin)."""
+
+    name = "static-partition"
+
+    def __init__(self, replicas: int, rng: random.Random) -> None:
+        super().__init__(replicas, rng)
+        self.home: dict[str, int] = {}
+
+    def route(self, adapter: str, connection: int, now: float) -> int:
+        if adapter not in self.home:
+            self.home[adapter] = len(self.home) % self.replicas
+        return self.home[adapter]
+
+
 class Rules(Policy):
     """The plugin's real code path: FleetView (dispatch accounting, residency) + choose_pod."""
 
@@ -170,7 +185,8 @@ STRATEGY_NAMES = [
 
 
 def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | None = None) -> Policy:
-    simple = {c.name: c for c in (PerConnectionRandom, SimpleShuffle, LeastBusy, LatencyBased, UsageBasedV2, SeedPicker)}
+    simple = {c.name: c for c in (PerConnectionRandom, SimpleShuffle, LeastBusy, LatencyBased, UsageBasedV2, SeedPicker,
+                                   StaticPartition)}
     if name in simple:
         return simple[name](replicas, rng)
     if name == "gie-v0.2":
