@@ -109,9 +109,10 @@ GIE_CASES = [
         RouteRequest("x"), OURS, {"b"}, "place",
     ),
     (
-        "lora-affinity: no free slot anywhere -> least load",
-        [pod("a", running=9, active={"p", "q", "r", "s"}), pod("b", running=1, active={"p", "q", "r", "s"})],
-        RouteRequest("x"), OURS, {"b"}, "place_no_free_slot",
+        "lora-affinity: no free slot anywhere -> fewest adapters, then least load",
+        [pod("a", running=9, active={"p", "q", "r", "s"}), pod("b", running=1, active={"p", "q", "r", "s"}),
+         pod("c", running=30, active={"p", "q", "r", "s", "t"})],
+        RouteRequest("x"), OURS, {"b"}, "place",
     ),
     (
         "lora-affinity: base model balances by load",
