@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from collections import Counter
 
 import httpx
 import pytest
 
 from fake_pods import BASE_MODEL
-from procs import MASTER_KEY, Proc, free_port, litellm_proxy, lora_affinity, redis_server, wait_port, write_config
+from procs import MASTER_KEY, Proc, child_env, free_port, litellm_proxy, lora_affinity, redis_server, wait_port, write_config
 
 SCRAPE_S = 0.1
 SETTLE_S = 0.5  # a few scrape + refresh intervals
@@ -66,12 +67,12 @@ def stack(tmp_path_factory):
     procs: dict[str, Proc] = {}
     redis = redis_server(redis_port, tmp)
     try:
-        procs["pods"] = Proc("pods", [sys.executable, "tests/fake_pods.py", *map(str, pods)], tmp)
+        procs["pods"] = Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, pods)], tmp)
         for p in pods:
             wait_port(p)
-        config = write_config(tmp / "config.yaml", pods, redis_port, stale_after_ms=1000)
+        config = write_config(tmp / "config.yaml", pods, redis_port, stale_after_ms=500, metrics_ttl_ms=1000)
         procs["scraper"] = lora_affinity(["scrape", "--config", str(config)], tmp, "scraper")
-        procs["proxy"] = litellm_proxy(config, proxy_port, tmp)
+        procs["proxy"] = litellm_proxy(config, proxy_port, tmp, env=child_env(LORA_AFFINITY_LOG_LEVEL="DEBUG"))
         s = Stack(tmp, redis, redis_port, pods, proxy_port, procs)
         s.script({}, {}, {})
         yield s
@@ -130,7 +131,7 @@ def test_base_model_request_is_balanced(stack):
 def test_routing_falls_back_while_redis_is_down_and_returns_after(stack):
     stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
     stack.redis.stop()
-    time.sleep(1.5)  # past stale_after_ms: the proxy's last snapshot is too old to use
+    time.sleep(1.5)  # past metrics_ttl_ms: the proxy's last snapshot is too old to use, even as a backup
     responses = stack.send("sql-lora", 12)
     assert [r.status_code for r in responses] == [200] * 12
     served = stack.served()

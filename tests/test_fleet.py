@@ -1,11 +1,12 @@
 """The proxy's fleet view: dispatches since the scrape, staleness, residency of idle pods."""
 
-from lora_affinity_plugin.fleet import DISPATCH_LAG_S, FleetView
+from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.scheduling import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
 
-S = build_settings({"stale_after_ms": 1000})
+S = build_settings({"stale_after_ms": 1000, "metrics_ttl_ms": 3000})
+DISPATCH_LAG_S = S.dispatch_lag_ms / 1000
 
 
 def rec(pod, at, running=(), waiting=0, max_lora=4, loaded=()):
@@ -38,6 +39,13 @@ def test_stale_and_failing_pods_are_left_out():
     fleet = FleetView(S)
     fleet.update({"a": rec("a", 100.0), "b": rec("b", 98.5), "c": PodRecord("c", 100.0, None, "HTTP 500")})
     assert [c.key for c in fleet.candidates(["a", "b", "c", "unknown"], 100.1)] == ["a"]
+
+
+def test_stale_pods_are_backups_until_their_ttl():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 99.0)})
+    assert [c.key for c in fleet.candidates(["a", "b"], 101.5)] == ["a", "b"]  # none fresh: both as backups
+    assert fleet.candidates(["a", "b"], 103.5) == []  # past metrics_ttl_ms: nothing to route by
 
 
 def test_an_idle_pod_keeps_its_adapters_resident():

@@ -108,7 +108,7 @@ async def test_base_model_request_skips_lora_rules():
 
 
 async def test_no_fresh_metrics_falls_back_to_shuffle_and_logs_once(caplog):
-    router, strat, fleet = make(stale_after_ms=100)
+    router, strat, fleet = make(stale_after_ms=100, metrics_ttl_ms=1000)
     fleet.update({p: PodRecord(pod=p, scraped_at=time.time() - 5, metrics=PodMetrics()) for p in PODS})
     with caplog.at_level(logging.WARNING, logger="lora_affinity"):
         seen = {await route(router, "sql-lora") for _ in range(40)}

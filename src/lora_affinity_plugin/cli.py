@@ -48,18 +48,6 @@ def _cmd_scrape(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sim(args: argparse.Namespace) -> int:
-    from .sim.server import run_sim
-
-    return run_sim(args)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    return run_demo(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lora-affinity", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -72,13 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     scrape.set_defaults(func=_cmd_scrape)
 
     from .bench import add_bench_arguments
+    from .sim.server import add_sim_arguments
+
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: routing quality and decision latency"))
+    add_sim_arguments(sub.add_parser("sim", help="simulated vLLM replicas with LoRA, one port each"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown everything
     try:
         return int(args.func(args) or 0)
     except SettingsError as exc:

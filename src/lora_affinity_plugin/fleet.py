@@ -17,8 +17,6 @@ from .scheduling import Candidate
 from .settings import Settings
 from .store import PodRecord
 
-# A request dispatched this long before a scrape may not have reached the server yet.
-DISPATCH_LAG_S = 0.05
 _DEFAULT_SLOTS = 4
 
 
@@ -32,8 +30,8 @@ class _PodState:
     view: Candidate | None = None
     """`base` plus `pending`, cached until either changes."""
 
-    def drop_covered(self, horizon: float) -> None:
-        covered_until = max(horizon, self.record.scraped_at - DISPATCH_LAG_S)
+    def drop_covered(self, horizon: float, lag_s: float) -> None:
+        covered_until = max(horizon, self.record.scraped_at - lag_s)
         while self.pending and self.pending[0][0] <= covered_until:
             self.pending.popleft()
         self.view = None
@@ -55,7 +53,8 @@ class FleetView:
                 state = self._pods[pod] = _PodState(record=record, base=None)
             state.record = record
             state.base = self._base_candidate(state) if record.metrics is not None else None
-            state.drop_covered(horizon=record.scraped_at - self.settings.stale_after_ms / 1000)
+            state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
+                               lag_s=self.settings.dispatch_lag_ms / 1000)
 
     def _base_candidate(self, state: _PodState) -> Candidate:
         metrics = state.record.metrics
@@ -106,15 +105,26 @@ class FleetView:
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
 
     def candidates(self, pods: Sequence[str], now: float) -> list[Candidate]:
-        """Fresh pods with their not-yet-scraped dispatches added; stale or failing pods are left out."""
-        stale_after = self.settings.stale_after_ms / 1000
-        out: list[Candidate] = []
+        """Pods with metrics, their not-yet-scraped dispatches added.
+
+        Fresh pods (scraped within `stale_after_ms`) only; when none is fresh, the stale ones serve as
+        backups until their records are `metrics_ttl_ms` old (Redis down, or the proxy too busy to
+        refresh): the dispatches counted since keep such a view usable. Failing pods never appear.
+        """
+        fresh_s = self.settings.stale_after_ms / 1000
+        backup_s = self.settings.metrics_ttl_ms / 1000
+        fresh: list[Candidate] = []
+        backup: list[Candidate] = []
         for pod in pods:
             state = self._pods.get(pod)
-            if state is None or state.base is None or now - state.record.scraped_at > stale_after:
+            if state is None or state.base is None:
                 continue
-            out.append(state.view or self._with_pending(state))
-        return out
+            age = now - state.record.scraped_at
+            if age <= fresh_s:
+                fresh.append(state.view or self._with_pending(state))
+            elif age <= backup_s and not fresh:
+                backup.append(state.view or self._with_pending(state))
+        return fresh or backup
 
     @staticmethod
     def _with_pending(state: _PodState) -> Candidate:

@@ -38,9 +38,12 @@ class Settings(BaseModel):
     metrics_path: str = "/metrics"
     embedded_scraper: bool = False
 
-    # Freshness: older metrics make a pod a backup only; records expire from Redis after metrics_ttl_ms.
-    stale_after_ms: int = Field(2_000, ge=50)
-    metrics_ttl_ms: int = Field(10_000, ge=100)
+    # Freshness: older metrics make a pod a backup only; past metrics_ttl_ms they are not used at all
+    # (and expire from Redis).
+    stale_after_ms: int = Field(2_000, ge=10)
+    metrics_ttl_ms: int = Field(10_000, ge=50)
+    dispatch_lag_ms: int = Field(50, ge=0, le=10_000)
+    """A request sent this long before a scrape may not have reached the server yet: keep counting it."""
 
     # The endpoint picker's v0.2 thresholds (same names and defaults).
     queueing_threshold_lora: int = Field(128, ge=0)

@@ -25,7 +25,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _scenario_names() -> list[str]:
-    return ["decisions"]
+    from .scenarios import SCENARIOS
+
+    return ["decisions", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,201 @@
+"""Live mode: each strategy against a fresh simulated fleet and real LiteLLM proxy processes.
+
+Per strategy: `lora-affinity sim` (fresh replicas), then G `litellm --config` proxies (our plugin, or
+a LiteLLM built-in routing_strategy), the scraper when the plugin is used, one Redis shared by all,
+then the load generator. Every interval of the plugin is divided by --speed so that metrics age in
+simulated time as they would in real time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import redis
+import yaml
+from tqdm import tqdm
+
+from ..processes import MASTER_KEY, Proc, child_env, free_port, redis_server, start_litellm_proxy, wait_port, wait_proxy
+from ..sim.policies import GIE_V02
+from .loadgen import run_load
+from .results import Result, summarize
+from .scenarios import Scenario
+
+LITELLM_BUILTINS = {"simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2"}
+PLUGIN_RULES = {"lora-affinity": {}, "gie-v0.2": GIE_V02}
+LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random"}
+DEFAULT_SPEED = 10.0
+
+
+def free_port_range(count: int) -> int:
+    """A base port with `count` free consecutive ports after it."""
+    for _ in range(200):
+        base = free_port()
+        if base + count >= 65535:
+            continue
+        try:
+            socks = []
+            for port in range(base, base + count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def plugin_settings(speed: float, overrides: dict) -> dict:
+    return {
+        "scrape_interval_ms": max(20, round(200 / speed)),
+        "stale_after_ms": max(10, round(2000 / speed)),
+        "metrics_ttl_ms": max(50, round(10_000 / speed)),
+        "dispatch_lag_ms": round(50 / speed),
+        "scrape_timeout_ms": max(100, round(1000 / speed)),
+        **overrides,
+    }
+
+
+class Fleet:
+    """A simulated fleet plus the gateways for one strategy; stops everything on exit."""
+
+    def __init__(self, scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
+                 workdir: Path, config_path: Path | None = None) -> None:
+        self.scenario, self.strategy, self.speed, self.gateways = scenario, strategy, speed, gateways
+        self.seed, self.redis_port, self.workdir = seed, redis_port, workdir
+        self.config_path = config_path
+        self.procs: list[Proc] = []
+        self.base_port = 0
+        self.proxy_ports: list[int] = []
+
+    def __enter__(self) -> Fleet:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.base_port + i}" for i in range(self.scenario.replicas)]
+
+    @property
+    def targets(self) -> list[str]:
+        if self.strategy == "per-connection-random":
+            return self.replica_urls
+        return [f"http://127.0.0.1:{p}" for p in self.proxy_ports]
+
+    def _start(self) -> None:
+        s = self.scenario
+        self.base_port = free_port_range(s.replicas)
+        sim_args = ["sim", "--replicas", str(s.replicas), "--base-port", str(self.base_port), "--speed", str(self.speed),
+                    "--seed", str(self.seed), "--max-loras", str(s.max_loras), "--max-cpu-loras", str(s.max_cpu_loras)]
+        if s.warm:
+            sim_args += ["--warm-adapters", ",".join(s.adapters)]
+        self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli", *sim_args],
+                               self.workdir))
+        for i in range(s.replicas):
+            wait_port(self.base_port + i)
+        if self.strategy == "per-connection-random":
+            return
+        redis.Redis(port=self.redis_port).flushall()
+        config = self._config()
+        config_path = self.workdir / f"config-{self.strategy}.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        env = child_env(LITELLM_MASTER_KEY=MASTER_KEY, LORA_AFFINITY_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0")
+        if self.strategy in PLUGIN_RULES:
+            self.procs.append(Proc(f"scraper-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli",
+                                                                "scrape", "--config", str(config_path)],
+                                   self.workdir, env=env))
+        self.proxy_ports = [free_port() for _ in range(self.gateways)]
+        proxies = [start_litellm_proxy(config_path, port, self.workdir, f"proxy-{self.strategy}-{g}", env=env)
+                   for g, port in enumerate(self.proxy_ports)]
+        self.procs += proxies
+        for proc, port in zip(proxies, self.proxy_ports):
+            wait_proxy(proc, port)
+        time.sleep(max(0.5, 1.0 / self.speed * 5))  # a few scrapes reach every proxy's view
+
+    def _config(self) -> dict:
+        model_list = [
+            {"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": f"{url}/v1", "api_key": "none"}}
+            for url in self.replica_urls
+        ]
+        if self.config_path is not None:  # the demo: the user's config, pointed at this fleet
+            config = yaml.safe_load(self.config_path.read_text())
+            config["model_list"] = model_list
+        else:
+            config = {"model_list": model_list, "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY"}}
+        config.setdefault("litellm_settings", {})["request_timeout"] = 3600
+        config.setdefault("router_settings", {})["num_retries"] = 0
+        if self.strategy in PLUGIN_RULES:
+            config["litellm_settings"]["callbacks"] = ["lora_affinity_plugin.strategy.proxy_plugin"]
+            section = config.setdefault("lora_affinity", {})
+            section.pop("redis_url", None)  # LORA_AFFINITY_REDIS_URL points at this run's Redis
+            section.update(plugin_settings(self.speed, PLUGIN_RULES[self.strategy]))
+        else:
+            config["litellm_settings"].pop("callbacks", None)
+            config.pop("lora_affinity", None)
+            config["router_settings"]["routing_strategy"] = self.strategy
+            if self.gateways > 1:  # LiteLLM's own way to share routing state between replicas
+                config["router_settings"].update({"redis_host": "127.0.0.1", "redis_port": self.redis_port})
+        return config
+
+    def served_per_replica(self) -> list[int]:
+        counts = []
+        for url in self.replica_urls:
+            page = httpx.get(url + "/metrics", timeout=5).text
+            counts.append(int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)", page, re.M))))
+        return counts
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+
+def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
+                 workdir: Path, bar: tqdm | None = None, config_path: Path | None = None) -> Result:
+    if strategy not in LIVE_STRATEGIES:
+        raise SystemExit(f"strategy {strategy!r} runs in fast mode only; live: {', '.join(sorted(LIVE_STRATEGIES))}")
+    with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path) as fleet:
+        if bar is not None:
+            bar.set_description(strategy)
+        outcomes, duration = asyncio.run(run_load(
+            scenario, fleet.targets, speed, seed, api_key=MASTER_KEY,
+            per_connection=strategy == "per-connection-random", on_done=bar.update if bar else None))
+        result = summarize(strategy, scenario.name, "live", outcomes, duration, scenario.replicas)
+        result.per_replica = fleet.served_per_replica()
+    return result
+
+
+def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace) -> list[Result]:
+    speed = args.speed or DEFAULT_SPEED
+    workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-bench-"))
+    redis_port = free_port()
+    store = redis_server(redis_port, workdir, allow_embedded=True)
+    if store.embedded:
+        print("redis-server not found: using fakeredis's embedded TCP server")
+    print(f"live mode at {speed:g}x speed; logs in {workdir}")
+    results = []
+    try:
+        with tqdm(total=scenario.requests * len(strategies), unit="req", leave=False) as bar:
+            for strategy in strategies:
+                results.append(run_strategy(scenario, strategy, speed, args.gateways, args.seed, redis_port, workdir,
+                                            bar))
+    finally:
+        store.stop()
+    return results

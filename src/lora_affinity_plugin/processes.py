@@ -1,0 +1,148 @@
+"""Child processes for the demo, live benchmarks and end-to-end tests: Redis, LiteLLM proxies, our workers.
+
+Every process runs in its own session and is stopped with its whole group, so Ctrl-C or the end of
+a run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+MASTER_KEY = os.environ.get("LITELLM_MASTER_KEY", "sk-lora-affinity-local")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS": "True",
+        "LITELLM_TELEMETRY_DISABLED": "true",
+        "LITELLM_MASTER_KEY": MASTER_KEY,
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A child process whose output goes to a log file, stopped (with its group) on close."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.embedded = False
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env or child_env(),
+                                      start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+                self.popen.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self._log.close()
+
+
+def redis_server(port: int, log_dir: Path, allow_embedded: bool = False) -> Proc:
+    """A real redis-server on `port`; with `allow_embedded`, fakeredis's TCP server when none is installed."""
+    binary = shutil.which("redis-server")
+    if binary is not None:
+        proc = Proc(f"redis-{port}", [binary, "--port", str(port), "--save", "", "--appendonly", "no",
+                                      "--bind", "127.0.0.1"], log_dir)
+    elif allow_embedded:
+        code = f"from fakeredis import TcpFakeServer; TcpFakeServer(('127.0.0.1', {port})).serve_forever()"
+        proc = Proc(f"fakeredis-{port}", [sys.executable, "-c", code], log_dir)
+        proc.embedded = True
+    else:
+        raise RuntimeError("redis-server is not installed (bash .ci/run installs it)")
+    wait_port(port)
+    return proc
+
+
+def proxy_config(pod_ports: list[int], redis_port: int, routing_strategy: str | None = None,
+                 **plugin: object) -> dict:
+    """A proxy config over wildcard deployments, one per pod: with the plugin, or a LiteLLM built-in."""
+    config: dict = {
+        "model_list": [
+            {"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": f"http://127.0.0.1:{p}/v1",
+                                                   "api_key": "none"}}
+            for p in pod_ports
+        ],
+        "litellm_settings": {"request_timeout": 3600},
+        "router_settings": {"num_retries": 0},
+        "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY"},
+    }
+    if routing_strategy is None:
+        config["litellm_settings"]["callbacks"] = ["lora_affinity_plugin.strategy.proxy_plugin"]
+        config["lora_affinity"] = {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "scrape_interval_ms": 100,
+                                   **plugin}
+    else:
+        config["router_settings"]["routing_strategy"] = routing_strategy
+    return config
+
+
+def write_config(path: Path, pod_ports: list[int], redis_port: int, **plugin: object) -> Path:
+    path.write_text(yaml.safe_dump(proxy_config(pod_ports, redis_port, **plugin)))
+    return path
+
+
+def start_litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", env: dict | None = None) -> Proc:
+    litellm_bin = str(Path(sys.executable).with_name("litellm"))
+    return Proc(name, [litellm_bin, "--config", str(config), "--port", str(port), "--host", "127.0.0.1",
+                       "--num_workers", "1"], log_dir, env=env)
+
+
+def wait_proxy(proc: Proc, port: int, timeout: float = 120.0) -> Proc:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"proxy exited: {proc.log()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/liveliness", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.stop()
+    raise TimeoutError(f"proxy did not start: {proc.log()[-3000:]}")
+
+
+def litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", env: dict | None = None) -> Proc:
+    return wait_proxy(start_litellm_proxy(config, port, log_dir, name, env), port)
+
+
+def lora_affinity(args: list[str], log_dir: Path, name: str, env: dict | None = None) -> Proc:
+    return Proc(name, [sys.executable, "-m", "lora_affinity_plugin.cli", *args], log_dir, env=env)

@@ -1,0 +1,81 @@
+"""A simulated replica's `/metrics` page: vLLM's names, several lora_requests_info series, and the
+histogram families that give a real page its size (~40 KB), so scraping costs what it costs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .server import LiveReplica
+
+_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+    "vllm:time_per_output_token_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                                           2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
+    "vllm:e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                                         50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "vllm:request_queue_time_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "vllm:request_inference_time_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4096],
+    "vllm:request_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4096],
+    "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "vllm:request_params_max_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4096],
+}
+
+
+def render_metrics(replica: LiveReplica, base_model: str) -> str:
+    engine = replica.engine
+    m = engine.snapshot()
+    label = f'engine="0",model_name="{base_model}"'
+    finished = sum(engine.finished_by_reason.values())
+    lines = [
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{label}}} {float(m.num_requests_running)}",
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{{{label}}} {float(m.num_requests_waiting)}",
+        f"# HELP vllm:{replica.kv_metric_name} KV-cache usage. 1 means 100 percent usage.",
+        f"# TYPE vllm:{replica.kv_metric_name} gauge",
+        f"vllm:{replica.kv_metric_name}{{{label}}} {m.kv_cache_usage}",
+        "# HELP vllm:lora_requests_info Running stats on lora requests.",
+        "# TYPE vllm:lora_requests_info gauge",
+    ]
+    for at, running, waiting in replica.lora_history or [(0.0, "", "")]:
+        lines.append(f'vllm:lora_requests_info{{max_lora="{engine.config.max_loras}",'
+                     f'running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"}} {at}')
+    if replica.residency_metric:
+        lines += ["# HELP vllm:lora_adapter_loaded Adapters loaded, by level.", "# TYPE vllm:lora_adapter_loaded gauge"]
+        lines += [f'vllm:lora_adapter_loaded{{adapter_name="{a}",level="gpu"}} 1.0' for a in engine.gpu]
+        lines += [f'vllm:lora_adapter_loaded{{adapter_name="{a}",level="cpu"}} 1.0' for a in engine.cpu]
+    lines += [
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+        f'vllm:cache_config_info{{block_size="{engine.config.block_size}",cache_dtype="auto",'
+        f'enable_prefix_caching="False",gpu_memory_utilization="0.9",num_cpu_blocks="512",'
+        f'num_gpu_blocks="{engine.config.kv_blocks}",num_gpu_blocks_override="None",sliding_window="None"}} 1.0',
+        "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+        "# TYPE vllm:num_preemptions_total counter",
+        f"vllm:num_preemptions_total{{{label}}} {float(engine.preemptions)}",
+        "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
+        "# TYPE vllm:prompt_tokens_total counter",
+        f"vllm:prompt_tokens_total{{{label}}} {float(engine.prompt_tokens_total)}",
+        "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+        "# TYPE vllm:generation_tokens_total counter",
+        f"vllm:generation_tokens_total{{{label}}} {float(engine.generation_tokens_total)}",
+        "# HELP vllm:request_success_total Count of successfully processed requests.",
+        "# TYPE vllm:request_success_total counter",
+    ]
+    for reason, count in engine.finished_by_reason.items():
+        lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{base_model}"}} '
+                     f"{float(count)}")
+    for name, buckets in _HISTOGRAMS.items():
+        lines += [f"# HELP {name} Histogram of {name.split(':')[1].replace('_', ' ')}.", f"# TYPE {name} histogram"]
+        for i, le in enumerate(buckets):
+            lines.append(f'{name}_bucket{{{label},le="{le}"}} {float(finished * (i + 1) // len(buckets))}')
+        lines += [f'{name}_bucket{{{label},le="+Inf"}} {float(finished)}', f"{name}_count{{{label}}} {float(finished)}",
+                  f"{name}_sum{{{label}}} {float(finished) * 1.5}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,232 @@
+"""`lora-affinity sim`: simulated vLLM replicas with LoRA, one port each, in one process.
+
+Each replica runs `ReplicaEngine` in real time divided by `--speed` and serves what vLLM serves:
+`/v1/completions` and `/v1/chat/completions` (SSE streaming or not, with `usage`), `/v1/models`,
+`/health` and `/metrics` with vLLM's metric names. A client that disconnects aborts its request,
+counted in `vllm:request_success_total{finished_reason="abort"}` as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+import uuid
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from .engine import EngineConfig, ReplicaEngine, Sequence
+from .metrics_page import render_metrics
+
+DISCONNECT_POLL_S = 0.05
+
+
+class LiveReplica:
+    """Drives one engine in (scaled) real time and hands tokens to waiting HTTP handlers."""
+
+    def __init__(self, engine: ReplicaEngine, speed: float, adapters: set[str] | None, kv_metric_name: str,
+                 residency_metric: bool) -> None:
+        self.engine = engine
+        self.speed = speed
+        self.adapters = adapters
+        self.kv_metric_name = kv_metric_name
+        self.residency_metric = residency_metric
+        self._wake = asyncio.Event()
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._t0 = time.monotonic()
+        self.lora_history: list[tuple[float, str, str]] = []
+
+    def now(self) -> float:
+        """Simulated seconds since start."""
+        return (time.monotonic() - self._t0) * self.speed
+
+    async def run(self) -> None:
+        # Steps are scheduled on an absolute timeline, so time spent serving HTTP does not slow the
+        # simulated GPU down; a late step runs at once and the timeline catches up.
+        step_end = time.monotonic()
+        while True:
+            duration_ms = self.engine.plan_step()
+            if duration_ms <= 0:
+                self._wake.clear()
+                await self._wake.wait()
+                step_end = time.monotonic()
+                continue
+            step_end = max(step_end, time.monotonic() - 0.05) + duration_ms / 1000 / self.speed
+            await asyncio.sleep(max(0.0, step_end - time.monotonic()))
+            result = self.engine.finish_step((step_end - self._t0) * self.speed)
+            for seq in result.tokens:
+                queue = self._streams.get(id(seq))
+                if queue is not None:
+                    queue.put_nowait(seq.done)
+            self._note_lora_state()
+
+    def _note_lora_state(self) -> None:
+        """vLLM adds a lora_requests_info series per state change (value = timestamp)."""
+        running = ",".join(sorted({s.adapter for s in self.engine.running if s.adapter}))
+        waiting = ",".join(sorted({s.adapter for s in self.engine.waiting if s.adapter}))
+        if not self.lora_history or self.lora_history[-1][1:] != (running, waiting):
+            self.lora_history.append((time.time(), running, waiting))
+            del self.lora_history[:-3]
+
+    def submit(self, adapter: str | None, prompt_tokens: int, max_tokens: int) -> tuple[Sequence, asyncio.Queue]:
+        seq = Sequence(uuid.uuid4().hex, adapter, prompt_tokens, self.engine.output_length(max_tokens), self.now())
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[id(seq)] = queue
+        self.engine.add(seq)
+        self._wake.set()
+        return seq, queue
+
+    def release(self, seq: Sequence) -> None:
+        self._streams.pop(id(seq), None)
+        if seq.finished_at is None:
+            self.engine.abort(seq)
+            self._wake.set()
+
+
+def _prompt_tokens(body: dict) -> int:
+    if "messages" in body:
+        text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    else:
+        prompt = body.get("prompt", "")
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    return max(1, round(len(text.split()) * 1.9))  # ~17 tokens for the seed's 9-word prompt
+
+
+def make_app(replica: LiveReplica, base_model: str) -> Starlette:
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
+
+    async def completions(request: Request):
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return error(400, "request body is not JSON")
+        model = body.get("model") or base_model
+        if replica.adapters is not None and model != base_model and model not in replica.adapters:
+            return error(404, f"The model `{model}` does not exist.")
+        adapter = None if model == base_model else model
+        chat = request.url.path.endswith("/chat/completions")
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        seq, queue = replica.submit(adapter, _prompt_tokens(body), max_tokens)
+        if body.get("stream"):
+            return StreamingResponse(_stream(seq, queue, model, chat), media_type="text/event-stream")
+        try:
+            while True:
+                try:
+                    if await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S):
+                        break
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return PlainTextResponse("", status_code=499)
+        finally:
+            replica.release(seq)
+        text = "x " * seq.generated
+        choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        finish = "length" if seq.generated >= max_tokens else "stop"
+        return JSONResponse({
+            "id": f"cmpl-{seq.request_id}", "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "finish_reason": finish, **choice}],
+            "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.generated,
+                      "total_tokens": seq.prompt_tokens + seq.generated},
+        })
+
+    async def _stream(seq: Sequence, queue: asyncio.Queue, model: str, chat: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = 0
+        try:
+            done = False
+            while not done:
+                done = await queue.get()
+                while not queue.empty():  # coalesce tokens that arrived together (high --speed)
+                    done = queue.get_nowait() or done
+                text = "x " * (seq.generated - sent)
+                sent = seq.generated
+                delta = {"delta": {"content": text}} if chat else {"text": text}
+                chunk = {"id": f"cmpl-{seq.request_id}", "object": obj, "created": int(time.time()), "model": model,
+                         "choices": [{"index": 0, **delta, "finish_reason": "stop" if done else None}]}
+                if done:
+                    chunk["usage"] = {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.generated,
+                                      "total_tokens": seq.prompt_tokens + seq.generated}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            replica.release(seq)  # a disconnect mid-stream aborts the request
+
+    async def models(_: Request):
+        names = [base_model, *sorted(replica.adapters or replica.engine.cpu)]
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "model", "owned_by": "sim"} for n in names]})
+
+    async def health(_: Request):
+        return PlainTextResponse("")
+
+    async def metrics(_: Request):
+        return PlainTextResponse(render_metrics(replica, base_model), media_type="text/plain; version=0.0.4")
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/metrics", metrics),
+    ])
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=6)
+    parser.add_argument("--base-port", type=int, default=8100, help="replica i listens on base-port + i")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--speed", type=float, default=1.0, help="K times faster than real time")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--max-loras", type=int, default=4)
+    parser.add_argument("--max-cpu-loras", type=int, default=12)
+    parser.add_argument("--kv-blocks", type=int, default=700)
+    parser.add_argument("--kv-metric-name", choices=["kv_cache_usage_perc", "gpu_cache_usage_perc"],
+                        default="kv_cache_usage_perc")
+    parser.add_argument("--adapters", help="comma-separated adapter names to serve (default: any name)")
+    parser.add_argument("--warm-adapters", help="comma-separated adapters already loaded (GPU slots filled round-robin)")
+    parser.add_argument("--base-model", default="meta-llama/Llama-2-7b-hf")
+    parser.add_argument("--residency-metric", action="store_true",
+                        help="expose vllm:lora_adapter_loaded{adapter_name,level} (proposed upstream)")
+    parser.set_defaults(func=run_sim)
+
+
+def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
+    config = EngineConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, kv_blocks=args.kv_blocks,
+                          base_model=args.base_model)
+    adapters = set(args.adapters.split(",")) if args.adapters else None
+    warm = args.warm_adapters.split(",") if args.warm_adapters else []
+    replicas = []
+    for r in range(args.replicas):
+        gpu = [warm[(r * config.max_loras + j) % len(warm)] for j in range(min(config.max_loras, len(warm)))]
+        engine = ReplicaEngine(config, random.Random(f"{args.seed}-replica-{r}"), warm, gpu)
+        replicas.append(LiveReplica(engine, args.speed, adapters, args.kv_metric_name, args.residency_metric))
+    return replicas
+
+
+async def serve(args: argparse.Namespace) -> None:
+    replicas = build_replicas(args)
+    servers = [
+        uvicorn.Server(uvicorn.Config(make_app(rep, args.base_model), host=args.host, port=args.base_port + i,
+                                      log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+        for i, rep in enumerate(replicas)
+    ]
+    engines = [asyncio.create_task(rep.run()) for rep in replicas]
+    print(f"simulating {len(replicas)} vLLM replicas on {args.host}:{args.base_port}..{args.base_port + len(replicas) - 1}"
+          f" at {args.speed:g}x speed", flush=True)
+    try:
+        await asyncio.gather(*(s.serve() for s in servers))
+    finally:
+        for task in engines:
+            task.cancel()
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args))
+    return 0
