@@ -60,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     scrape.set_defaults(func=_cmd_scrape)
 
     from .bench import add_bench_arguments
+    from .demo import add_demo_arguments
     from .sim.server import add_sim_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: routing quality and decision latency"))
     add_sim_arguments(sub.add_parser("sim", help="simulated vLLM replicas with LoRA, one port each"))
+    add_demo_arguments(sub.add_parser("demo", help="everything on this machine: Redis, fleet, proxies, benchmark"))
     return parser
 
 

@@ -17,6 +17,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["live", "fast"], default="live")
     parser.add_argument("--seeds", type=int, default=1, help="fast mode: seeds per strategy (medians reported)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--requests", type=int, help="override the scenario's request count (quick runs)")
     parser.add_argument("--json", dest="json_path", help="write the results as a JSON list to this path")
     parser.add_argument("--chart", default="bench-out/bench.png", help="where to write the PNG chart")
     parser.add_argument("--deployments", default="8,64,512", help="decisions scenario: deployment counts")

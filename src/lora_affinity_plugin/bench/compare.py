@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from ..sim.policies import STRATEGY_NAMES
 from .results import Result, format_table, median_result, write_chart, write_json
-from .scenarios import get_scenario
+from .scenarios import get_scenario, with_overrides
 
 LIVE_DEFAULT = ["per-connection-random", "simple-shuffle", "least-busy", "latency-based-routing",
                 "usage-based-routing-v2", "gie-v0.2", "lora-affinity"]
@@ -25,7 +25,7 @@ def _strategies(args: argparse.Namespace) -> list[str]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    scenario = get_scenario(args.scenario)
+    scenario = with_overrides(get_scenario(args.scenario), requests=args.requests)
     strategies = _strategies(args)
     print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, "
           f"max_loras {scenario.max_loras}, {scenario.connections} connections, deadline {scenario.deadline_s:.0f} s "

@@ -117,13 +117,17 @@ def make_app(replica: LiveReplica, base_model: str) -> Starlette:
         if body.get("stream"):
             return StreamingResponse(_stream(seq, queue, model, chat), media_type="text/event-stream")
         try:
+            next_check = time.monotonic() + DISCONNECT_POLL_S
             while True:
                 try:
                     if await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S):
                         break
                 except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() >= next_check:  # tokens may flow faster than the poll: check on a clock
                     if await request.is_disconnected():
                         return PlainTextResponse("", status_code=499)
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
         finally:
             replica.release(seq)
         text = "x " * seq.generated

@@ -1,0 +1,45 @@
+"""`lora-affinity bench` and `lora-affinity demo` from the command line, with real processes."""
+
+import json
+import subprocess
+import sys
+
+from procs import child_env
+
+CLI = [sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING"]
+
+
+def run(args, timeout=300):
+    out = subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=child_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_live_bench_writes_one_result_per_strategy(tmp_path):
+    path = tmp_path / "r.json"
+    stdout = run(["bench", "--scenario", "seed", "--mode", "live", "--speed", "20", "--requests", "150",
+                  "--strategies", "per-connection-random,simple-shuffle,lora-affinity", "--json", str(path),
+                  "--chart", str(tmp_path / "c.png")])
+    results = json.loads(path.read_text())
+    assert [r["strategy"] for r in results] == ["per-connection-random", "simple-shuffle", "lora-affinity"]
+    for r in results:
+        assert r["completed"] + r["timeouts"] + r["errors"] == 150
+        assert r["completed"] > 100 and r["output_tokens_per_s"] > 0 and r["errors"] == 0
+        assert sum(r["per_replica"]) >= r["completed"]
+    assert "vs shuffle" in stdout and (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_fast_bench_prints_every_strategy(tmp_path):
+    path = tmp_path / "f.json"
+    stdout = run(["bench", "--scenario", "zipf", "--mode", "fast", "--json", str(path), "--chart", str(tmp_path / "c.png")])
+    names = {r["strategy"] for r in json.loads(path.read_text())}
+    assert {"simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2",
+            "per-connection-random", "gie-v0.2", "lora-affinity"} <= names
+    assert "lora-affinity" in stdout
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    stdout = run(["demo", "--requests", "120", "--speed", "20", "--out", str(tmp_path)], timeout=400)
+    assert "Redis: redis-server" in stdout
+    assert "simple-shuffle" in stdout and "lora-affinity completed" in stdout
+    assert len(json.loads((tmp_path / "demo.json").read_text())) == 2

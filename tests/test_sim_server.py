@@ -1,0 +1,89 @@
+"""The simulated vLLM replicas over real HTTP: OpenAI endpoints, /metrics, and aborts on disconnect."""
+
+import re
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from lora_affinity_plugin.scraper import parse_metrics
+from procs import Proc, free_port, wait_port
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    base = free_port()
+    while base + 1 == free_port():  # need base and base+1
+        base = free_port()
+    proc = Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2", "--base-port",
+                        str(base), "--speed", "20", "--kv-metric-name", "gpu_cache_usage_perc",
+                        "--adapters", "sql-lora,tweet-summary", "--residency-metric"],
+                tmp_path_factory.mktemp("sim"))
+    try:
+        wait_port(base)
+        wait_port(base + 1)
+        yield f"http://127.0.0.1:{base}"
+    finally:
+        proc.stop()
+
+
+def aborts(url):
+    page = httpx.get(url + "/metrics").text
+    return float(re.search(r'vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', page).group(1))
+
+
+def test_text_and_chat_completions_with_usage(sim):
+    client = openai.OpenAI(base_url=sim + "/v1", api_key="none")
+    text = client.completions.create(model="sql-lora", prompt="Is the Necronomicon in the movie?", max_tokens=20)
+    assert 1 <= text.usage.completion_tokens <= 20 and text.usage.prompt_tokens > 0
+    chat = client.chat.completions.create(model="tweet-summary", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=10)
+    assert chat.choices[0].message.content and chat.usage.total_tokens > 0
+
+
+def test_streaming_sse_ends_with_usage(sim):
+    client = openai.OpenAI(base_url=sim + "/v1", api_key="none")
+    chunks = list(client.completions.create(model="sql-lora", prompt="hi", max_tokens=30, stream=True))
+    assert len(chunks) >= 1 and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_models_health_and_unknown_adapter(sim):
+    ids = [m["id"] for m in httpx.get(sim + "/v1/models").json()["data"]]
+    assert "sql-lora" in ids and "meta-llama/Llama-2-7b-hf" in ids
+    assert httpx.get(sim + "/health").status_code == 200
+    r = httpx.post(sim + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404
+
+
+def test_metrics_page_uses_vllm_names(sim):
+    page = httpx.get(sim + "/metrics").text
+    assert "vllm:gpu_cache_usage_perc" in page and "vllm:kv_cache_usage_perc" not in page
+    assert len(page) > 15_000  # histograms give it a realistic size
+    m = parse_metrics(page)
+    assert m.max_lora == 4 and m.block_size == 16 and m.num_gpu_blocks == 700
+    assert m.loaded_lora_adapters  # --residency-metric: vllm:lora_adapter_loaded{level="gpu"}
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(sim):
+    before = aborts(sim)
+    with httpx.stream("POST", sim + "/v1/completions",
+                      json={"model": "sql-lora", "prompt": "x", "max_tokens": 750, "stream": True}) as resp:
+        for _ in resp.iter_lines():
+            break  # first token seen: hang up
+    deadline = time.monotonic() + 1
+    while aborts(sim) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborts(sim) == before + 1
+
+
+def test_non_streaming_client_that_times_out_aborts_too(sim):
+    before = aborts(sim)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(sim + "/v1/completions", json={"model": "tweet-summary", "prompt": "x", "max_tokens": 750},
+                   timeout=0.3)
+    deadline = time.monotonic() + 1
+    while aborts(sim) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborts(sim) == before + 1
