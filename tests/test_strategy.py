@@ -1,5 +1,6 @@
 """The LiteLLM adapter on a real litellm.Router: mapping, hand-back, fallback, criticality, install."""
 
+import asyncio
 import copy
 import logging
 import random
@@ -184,3 +185,31 @@ async def test_install_for_python_router_users():
         assert await route(router, "x") in PODS  # no metrics (Redis unreachable): LiteLLM routes
     finally:
         strat.stop()
+
+
+async def test_embedded_scraper_runs_inside_the_proxy_process(monkeypatch, tmp_path):
+    from litellm.proxy import proxy_server
+
+    from lora_affinity_plugin.scraper import Scraper
+
+    config = tmp_path / "config.yaml"
+    config.write_text("model_list:\n  - model_name: '*'\n    litellm_params: {model: hosted_vllm/*, "
+                      "api_base: 'http://10.0.0.9:8000/v1'}\nlora_affinity:\n  embedded_scraper: true\n"
+                      "  redis_url: redis://127.0.0.1:1/0\n")
+    router = litellm.Router(model_list=wildcard_list())
+    monkeypatch.setattr(proxy_server, "llm_router", router)
+    monkeypatch.setattr(proxy_server, "user_config_file_path", str(config))
+    started = []
+    monkeypatch.setattr(Scraper, "run", lambda self, stop=None: _record(started, self))
+    plugin = ProxyPlugin()
+    try:
+        strat = plugin.ensure_installed()
+        await asyncio.sleep(0)
+        assert started and started[0].pods == ["http://10.0.0.9:8000"]
+    finally:
+        plugin._watcher and plugin._watcher.cancel()
+        strat.stop()
+
+
+async def _record(started, scraper):
+    started.append(scraper)
