@@ -37,6 +37,11 @@ def _cmd_scrape(args: argparse.Namespace) -> int:
         print(f"{args.config}: no deployment in model_list has an api_base to scrape", file=sys.stderr)
         return 2
 
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -57,15 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     scrape.add_argument("--config", required=True, help="the proxy's config.yaml (pods come from model_list)")
     scrape.add_argument("--redis-url", help="overrides lora_affinity.redis_url")
     scrape.add_argument("--interval-ms", type=int, help="overrides lora_affinity.scrape_interval_ms")
+    scrape.add_argument("--metrics-port", type=int, help="serve the scraper's Prometheus metrics on this port")
     scrape.set_defaults(func=_cmd_scrape)
 
     from .bench import add_bench_arguments
     from .demo import add_demo_arguments
+    from .ops import add_ops_arguments
     from .sim.server import add_sim_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: routing quality and decision latency"))
     add_sim_arguments(sub.add_parser("sim", help="simulated vLLM replicas with LoRA, one port each"))
     add_demo_arguments(sub.add_parser("demo", help="everything on this machine: Redis, fleet, proxies, benchmark"))
+    add_ops_arguments(sub)
     return parser
 
 

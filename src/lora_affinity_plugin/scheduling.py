@@ -149,7 +149,7 @@ def choose_pod(
     if not pods:
         raise NoCapacity("no candidate pods for this model")
     run = _Run(rng, explain)
-    if request.sheddable:
+    if request.sheddable and settings.shedding:
         pods = _sheddable_capacity(pods, settings, run)
     if settings.rule_set == "gie-v0.2":
         return _gie_v02(pods, request, settings, run)

@@ -14,8 +14,10 @@ from typing import Sequence
 import httpx
 
 from .episodes import Episode
+from .live_settings import LiveCopy, apply_live, settings_key
+from .metrics import SCRAPE_ERRORS, SCRAPE_SECONDS
 from .parsing import MetricsPageError, parse_metrics
-from .settings import Settings
+from .settings import Settings, SettingsError
 from .store import PodRecord, connect, write_records
 
 __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
@@ -56,7 +58,10 @@ class Scraper:
 
     def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None, auth: httpx.Auth | None = None,
                  transport: httpx.AsyncBaseTransport | None = None):
+        self.base_settings = settings
         self.settings = settings
+        self.settings_version = 0
+        self._rejected: bytes | None = None
         self.pods = list(pods)
         self._redis = redis_client
         self._auth = auth
@@ -92,18 +97,39 @@ class Scraper:
 
     async def scrape_once(self) -> list[PodRecord]:
         """Scrape every pod concurrently and write all records in one pipelined round trip."""
+        started = time.perf_counter()
         client = self._http.get()
         records = await asyncio.gather(*(self._scrape_pod(client, pod) for pod in self.pods))
         self.last_records = {r.pod: r for r in records}
         self.cycles += 1
+        for record in records:
+            if record.error is not None:
+                SCRAPE_ERRORS.labels(record.pod).inc()
         if self._redis is None:
             self._redis = connect(self.settings)
         try:
-            await write_records(self._redis, self.settings, records)
+            live = await write_records(self._redis, self.settings, records,
+                                       also_get=settings_key(self.base_settings.key_prefix))
             self._redis_down.recover()
         except Exception as exc:  # redis errors of any kind: keep scraping, try again next cycle
             self._redis_down.fail(type(exc).__name__)
+        else:
+            if live is not None:
+                self._follow_settings(live)
+        SCRAPE_SECONDS.observe(time.perf_counter() - started)
         return records
+
+    def _follow_settings(self, raw: bytes) -> None:
+        """Interval, timeouts and TTLs follow `thresholds set` too; invalid values are ignored."""
+        try:
+            copy = LiveCopy.from_json(raw)
+            if copy.version > self.settings_version:
+                self.settings = apply_live(self.base_settings, copy.values)
+                self.settings_version = copy.version
+        except SettingsError as exc:
+            if raw != self._rejected:
+                self._rejected = raw
+                logger.error("scraper refused live settings, keeping version %s: %s", self.settings_version, exc)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Scrape every `scrape_interval_ms` until `stop` is set; closes its clients on the way out."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "LORA_AFFINITY_"
 RuleSet = Literal["lora-affinity", "gie-v0.2"]
@@ -64,6 +64,8 @@ class Settings(BaseModel):
     residency_memory: int = Field(2, ge=1, le=64)
     """How many adapters per GPU slot a pod is remembered to hold (vLLM also keeps CPU copies)."""
 
+    shedding: bool = True
+    """Off: sheddable requests are served like critical ones (never 429)."""
     sheddable_model_groups: list[str] = Field(default_factory=list)
     adapter_info_key: str = "lora_adapter"
     """model_info key naming a deployment's adapter explicitly."""
@@ -75,9 +77,22 @@ class Settings(BaseModel):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
 
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Settings":
+        if self.stale_after_ms > self.metrics_ttl_ms:
+            raise ValueError(f"stale_after_ms ({self.stale_after_ms}) must not exceed metrics_ttl_ms "
+                             f"({self.metrics_ttl_ms}): a pod cannot turn stale after its record expired")
+        return self
+
     def redacted_redis_url(self) -> str:
         """The Redis URL with any password replaced, for logs and status output."""
         return redact_url(self.redis_url)
+
+
+# Settings an operator may change at run time (`lora-affinity thresholds set`); the rest need a restart.
+RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
+                          "adapter_info_key"})
+LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 
 def redact_url(url: str) -> str:
@@ -126,6 +141,9 @@ def describe_validation_error(exc: ValidationError, raw: dict[str, Any]) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "settings"
+        if not err["loc"]:  # a cross-field rule: its message names the fields
+            lines.append(err["msg"].removeprefix("Value error, "))
+            continue
         given = raw.get(str(err["loc"][0])) if err["loc"] else None
         if field == "redis_url" and isinstance(given, str):
             given = redact_url(given)

@@ -60,30 +60,43 @@ def pod_key(settings: Settings, pod: str) -> str:
     return f"{{{settings.key_prefix}}}:pod:{pod}"
 
 
-def connect(settings: Settings) -> aioredis.Redis:
-    """An asyncio Redis client with short timeouts: the plugin must fall back, never hang a request."""
+def connect(settings: Settings, *, blocking: bool = False) -> aioredis.Redis:
+    """An asyncio Redis client with short timeouts: the plugin must fall back, never hang a request.
+
+    `blocking` clients (pub/sub) wait for messages without a read timeout.
+    """
     timeout = max(0.05, settings.scrape_timeout_ms / 1000)
     return aioredis.from_url(
         settings.redis_url,
-        socket_timeout=timeout,
+        socket_timeout=None if blocking else timeout,
         socket_connect_timeout=timeout,
         health_check_interval=30,
     )
 
 
-async def write_records(client: aioredis.Redis, settings: Settings, records: Iterable[PodRecord]) -> None:
-    """One pipelined round trip per scrape cycle; each record serialized once."""
+async def write_records(client: aioredis.Redis, settings: Settings, records: Iterable[PodRecord],
+                        also_get: str | None = None) -> bytes | None:
+    """One pipelined round trip per scrape cycle; each record serialized once.
+
+    `also_get` reads one more key in the same round trip (the live settings) and returns its value.
+    """
     async with client.pipeline(transaction=False) as pipe:
         for record in records:
             pipe.set(pod_key(settings, record.pod), record.to_json(), px=settings.metrics_ttl_ms)
-        await pipe.execute()
+        if also_get is not None:
+            pipe.get(also_get)
+        results = await pipe.execute()
+    return results[-1] if also_get is not None else None
 
 
 async def read_records(client: aioredis.Redis, settings: Settings, pods: Sequence[str]) -> dict[str, PodRecord]:
     """Every known pod's record in one MGET; pods with no (or an unreadable) record are left out."""
     if not pods:
         return {}
-    raws = await client.mget([pod_key(settings, pod) for pod in pods])
+    return decode_records(pods, await client.mget([pod_key(settings, pod) for pod in pods]))
+
+
+def decode_records(pods: Sequence[str], raws: Sequence[bytes | None]) -> dict[str, PodRecord]:
     out: dict[str, PodRecord] = {}
     for pod, raw in zip(pods, raws):
         if raw is None:

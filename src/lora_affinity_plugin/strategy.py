@@ -30,7 +30,8 @@ from .fleet import FleetView
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
 from .scheduling import NoCapacity, RouteRequest, Shed, choose_pod
 from .settings import Settings, build_settings, load_config, settings_from_config
-from .store import connect, read_records
+from .follower import Follower
+from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
 
 logger = logging.getLogger("lora_affinity")
 
@@ -41,7 +42,10 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
     def __init__(self, router: litellm.Router, settings: Settings, *, rng: random.Random | None = None,
                  fleet: FleetView | None = None) -> None:
         self.router = router
+        self.base_settings = settings
+        """The file and environment; live values from Redis are applied on top."""
         self.settings = settings
+        self.follower: Follower | None = None
         self.fleet = fleet or FleetView(settings)
         self.rng = rng or random.Random()
         self._index = _DeploymentIndex()
@@ -88,16 +92,21 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if not healthy:
             raise litellm.ServiceUnavailableError(
                 message=f"lora-affinity: no healthy deployment for model {model!r}", llm_provider="", model=model)
+        started = time.perf_counter()
         try:
             deployment = self._choose(model, healthy, request_kwargs)
         except Shed as exc:
+            SHEDS.inc()
             raise litellm.RateLimitError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
         except NoCapacity as exc:
+            NO_CAPACITY.inc()
             raise litellm.ServiceUnavailableError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
         except Exception as exc:  # a plugin bug must never fail a request
             logger.exception("lora-affinity decision failed; falling back")
             self._fallback.fail(f"{type(exc).__name__}")
+            FALLBACKS.labels("error").inc()
             deployment = None
+        DECISION_SECONDS.observe(time.perf_counter() - started)
         if deployment is None:
             self.fallbacks += 1
             return healthy[self.rng.randrange(len(healthy))]
@@ -118,6 +127,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         candidates = self.fleet.candidates(list(by_pod), now)
         if not candidates:
             self._fallback.fail("no fresh metrics for the healthy deployments of " + repr(model))
+            FALLBACKS.labels("no_metrics").inc()
             return None
         first = by_pod[candidates[0].key]
         adapter: str | None = deployment_adapter(first, model, self.settings.adapter_info_key)
@@ -130,6 +140,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                          [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates])
         self.fleet.note_dispatch(decision.pod, adapter, now)
         self.decisions += 1
+        DECISIONS.labels(decision.branch).inc()
         return by_pod[decision.pod]
 
     def _sheddable(self, model: str, request_kwargs: Mapping[str, Any]) -> bool:
@@ -158,23 +169,14 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             self._refresher = loop.create_task(self._refresh_forever(), name="lora-affinity-refresh")
 
     async def _refresh_forever(self) -> None:
-        client = connect(self.settings)
-        redis_down = Episode(logger, f"cannot read pod metrics from Redis at {self.settings.redacted_redis_url()}")
-        interval = self.settings.scrape_interval_ms / 1000
-        try:
-            while True:
-                try:
-                    pods = discover_pods(self.router.model_list)
-                    self.fleet.update(await read_records(client, self.settings, pods))
-                    redis_down.recover()
+        self.follower = Follower(self.base_settings, self.fleet, lambda: discover_pods(self.router.model_list),
+                                 self.apply_settings)
+        await self.follower.run()
 
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    redis_down.fail(type(exc).__name__)
-                await asyncio.sleep(interval)
-        finally:
-            await client.aclose()
+    def apply_settings(self, settings: Settings) -> None:
+        """Live settings take effect for the next decision; the rules read them per call."""
+        self.settings = settings
+        self.fleet.settings = settings
 
     def stop(self) -> None:
         if self._refresher is not None:

@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-SCENARIOS_DOC = {
-    "decisions": "per-decision latency of the strategy vs LiteLLM's simple-shuffle, at 8/64/512 deployments",
-}
-
-
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="seed", help="one of: " + ", ".join(_scenario_names()))
     parser.add_argument("--strategies", help="comma-separated strategy names (fleet scenarios)")
@@ -28,7 +23,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", *SCENARIOS]
+    return ["decisions", "propagation", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -36,6 +31,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .decisions import run_decisions
 
         return run_decisions(args)
+    if args.scenario == "propagation":
+        from .propagation import run_propagation
+
+        return run_propagation(args)
     from .compare import run_compare
 
     return run_compare(args)

@@ -1,0 +1,114 @@
+"""Keeps one proxy process current: pod records into its FleetView, and the live settings.
+
+Every `scrape_interval_ms` one MGET reads the settings key and every pod's record together; a pub/sub
+notice of a new settings version wakes it early. A lost notice or a reconnect therefore still
+converges within one interval, and no request ever waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from .episodes import Episode
+from .fleet import FleetView
+from .live_settings import LiveCopy, apply_live, live_values, notify_channel, settings_key
+from .metrics import SETTINGS_APPLIED, SETTINGS_REJECTED, SETTINGS_VERSION, SNAPSHOT_AGE
+from .settings import Settings, SettingsError
+from .store import connect, decode_records, pod_key
+
+logger = logging.getLogger("lora_affinity")
+
+
+class Follower:
+    def __init__(self, base: Settings, fleet: FleetView, pods: Callable[[], list[str]],
+                 on_settings: Callable[[Settings], None]) -> None:
+        self.base = base
+        self.settings = base
+        self.fleet = fleet
+        self._pods = pods
+        self._on_settings = on_settings
+        self.applied_version = 0
+        self._last_raw: bytes | None = None
+        self._wake = asyncio.Event()
+        self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
+
+    async def run(self) -> None:
+        client = connect(self.base)
+        listener = asyncio.create_task(self._listen(), name="lora-affinity-settings-notify")
+        try:
+            await self._seed(client)
+            while True:
+                await self.refresh(client)
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.settings.scrape_interval_ms / 1000)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
+        finally:
+            listener.cancel()
+            await client.aclose()
+
+    async def _seed(self, client) -> None:
+        """The file's values become the live copy when Redis has none yet."""
+        try:
+            await client.set(settings_key(self.base.key_prefix),
+                             LiveCopy(1, live_values(self.base), 0.0, "seeded from config").to_json(), nx=True)
+        except Exception as exc:
+            self._redis_down.fail(type(exc).__name__)
+
+    async def refresh(self, client) -> None:
+        pods = self._pods()
+        keys = [settings_key(self.base.key_prefix), *(pod_key(self.base, p) for p in pods)]
+        try:
+            raws = await client.mget(keys)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._redis_down.fail(type(exc).__name__)
+            return
+        self._redis_down.recover()
+        if raws[0] is not None:
+            self._follow_settings(raws[0])
+        records = decode_records(pods, raws[1:])
+        self.fleet.update(records)
+        if records:
+            SNAPSHOT_AGE.set(max(r.age_s() for r in records.values()))
+
+    def _follow_settings(self, raw: bytes) -> None:
+        if raw == self._last_raw:
+            return  # unchanged since the last look, good or bad: nothing to parse, nothing to log
+        self._last_raw = raw
+        try:
+            copy = LiveCopy.from_json(raw)
+            if copy.version <= self.applied_version:
+                return
+            settings = apply_live(self.base, copy.values)
+        except SettingsError as exc:
+            SETTINGS_REJECTED.inc()
+            logger.error("refused live settings, keeping version %s: %s", self.applied_version, exc)
+            return
+        self.applied_version = copy.version
+        self.settings = settings
+        SETTINGS_VERSION.set(copy.version)
+        SETTINGS_APPLIED.inc()
+        self._on_settings(settings)
+
+    async def _listen(self) -> None:
+        """Pub/sub nudges; any failure just leaves the periodic check to converge."""
+        while True:
+            client = connect(self.base, blocking=True)
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(notify_channel(self.base.key_prefix))
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await asyncio.sleep(1.0)
+            finally:
+                await client.aclose()
+

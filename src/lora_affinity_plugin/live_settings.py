@@ -1,0 +1,160 @@
+"""Run-time settings in Redis: one versioned copy every proxy replica and the scraper follow.
+
+Layout (same `{prefix}` hash tag as the pod records):
+    {prefix}:settings        JSON {"version", "values", "updated_at", "by"}: the live copy
+    {prefix}:settings:audit  a stream of changes (when, who, old and new values), capped
+    {prefix}:settings:notify pub/sub channel: the new version, so followers need not wait for their poll
+
+Writers use compare-and-set on the version (WATCH/MULTI), so of two racing operators one wins and
+the other is told. Followers poll the key with the pod records they read anyway (no extra round
+trip) and also listen on the channel; a value that fails validation is refused and the last good
+settings stay in force.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import redis
+import yaml
+
+from .settings import LIVE_SETTINGS, RESTART_ONLY, Settings, SettingsError, describe_validation_error
+
+AUDIT_MAXLEN = 1000
+
+
+def settings_key(prefix: str) -> str:
+    return f"{{{prefix}}}:settings"
+
+
+def audit_key(prefix: str) -> str:
+    return f"{{{prefix}}}:settings:audit"
+
+
+def notify_channel(prefix: str) -> str:
+    return f"{{{prefix}}}:settings:notify"
+
+
+class ConflictError(RuntimeError):
+    """Someone else changed the settings first."""
+
+
+@dataclass(frozen=True)
+class LiveCopy:
+    version: int
+    values: dict[str, Any]
+    updated_at: float
+    by: str
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "values": self.values, "updated_at": self.updated_at,
+                           "by": self.by}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> LiveCopy:
+        """Raises SettingsError naming what is wrong with a hand-written or foreign value."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, TypeError) as exc:
+            raise SettingsError(f"live settings are not JSON: {exc}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("values"), dict):
+            raise SettingsError("live settings: expected an object with a 'values' mapping")
+        version = body.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise SettingsError(f"live settings: version {version!r} is not a positive integer")
+        return cls(version, body["values"], float(body.get("updated_at") or 0), str(body.get("by") or "?"))
+
+
+def live_values(settings: Settings) -> dict[str, Any]:
+    return {name: getattr(settings, name) for name in LIVE_SETTINGS}
+
+
+def apply_live(base: Settings, values: dict[str, Any]) -> Settings:
+    """`base` (the file and environment) with the live values on top, validated as one model."""
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise SettingsError(f"{unknown[0]}: unknown setting; allowed names are {', '.join(LIVE_SETTINGS)}")
+    fixed = sorted(set(values) & RESTART_ONLY)
+    if fixed:
+        raise SettingsError(f"{fixed[0]}: cannot change at run time (restart with a new config); "
+                            f"live settings are {', '.join(LIVE_SETTINGS)}")
+    merged = {**base.model_dump(), **values}
+    try:
+        return Settings.model_validate(merged)
+    except Exception as exc:  # pydantic's ValidationError
+        raise SettingsError(describe_validation_error(exc, merged)) from None
+
+
+def parse_assignments(pairs: Iterable[str]) -> dict[str, Any]:
+    """`key=value` words from the command line; values are YAML scalars or lists (`a=[x, y]`)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SettingsError(f"{pair!r}: expected key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def read(client: redis.Redis, prefix: str) -> LiveCopy | None:
+    raw = client.get(settings_key(prefix))
+    return None if raw is None else LiveCopy.from_json(raw)
+
+
+def seed(client: redis.Redis, base: Settings, by: str, force: bool = False) -> bool:
+    """Write the file's values as version 1 when Redis has none (or always, with force)."""
+    if force:
+        write(client, base, live_values(base), by)
+        return True
+    copy = LiveCopy(1, live_values(base), time.time(), by)
+    return bool(client.set(settings_key(base.key_prefix), copy.to_json(), nx=True))
+
+
+def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
+          if_version: int | None = None) -> tuple[LiveCopy | None, LiveCopy]:
+    """Validate and apply `changes` atomically; raises SettingsError (nothing written) or ConflictError."""
+    prefix = base.key_prefix
+    key = settings_key(prefix)
+    with client.pipeline() as pipe:
+        try:
+            pipe.watch(key)
+            raw = pipe.get(key)
+            old = LiveCopy.from_json(raw) if raw is not None else None
+            current = old.version if old else 0
+            if if_version is not None and if_version != current:
+                raise ConflictError(f"settings are at version {current}, not {if_version}: "
+                                    "someone else changed them; look at `thresholds history` and retry")
+            before = old.values if old else live_values(base)
+            checked = apply_live(base, {**before, **changes})
+            new = LiveCopy(current + 1, live_values(checked), time.time(), by)
+            changed_from, changed_to = diff(before, new.values)
+            pipe.multi()
+            pipe.set(key, new.to_json())
+            pipe.xadd(audit_key(prefix), {"version": new.version, "by": by, "at": new.updated_at,
+                                          "old": json.dumps(changed_from), "new": json.dumps(changed_to)},
+                      maxlen=AUDIT_MAXLEN, approximate=True)
+            pipe.publish(notify_channel(prefix), str(new.version))
+            pipe.execute()
+        except redis.WatchError:
+            raise ConflictError("another operator changed the settings at the same moment; retry") from None
+    return old, new
+
+
+def diff(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    keys = [k for k in new if old.get(k) != new.get(k)]
+    return {k: old.get(k) for k in keys}, {k: new[k] for k in keys}
+
+
+def history(client: redis.Redis, prefix: str, count: int = 20) -> list[dict[str, Any]]:
+    out = []
+    for entry_id, fields in client.xrevrange(audit_key(prefix), count=count):
+        decoded = {k.decode(): v.decode() for k, v in fields.items()}
+        out.append({"id": entry_id.decode(), "version": int(decoded["version"]), "by": decoded["by"],
+                    "at": float(decoded["at"]), "old": json.loads(decoded["old"]), "new": json.loads(decoded["new"])})
+    return out

@@ -1,0 +1,212 @@
+"""Operator commands: `thresholds show|set|history|reset`, `status`, `explain`.
+
+All of them find Redis through `--config` (the proxy's config.yaml, whose `lora_affinity:` section and
+LORA_AFFINITY_* environment give the base settings) or `--redis-url`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import random
+import sys
+import time
+from datetime import datetime, timezone
+
+import redis
+
+from . import live_settings
+from .fleet import FleetView
+from .pods import discover_pods
+from .scheduling import RouteRequest, SchedulingError, choose_pod
+from .settings import Settings, SettingsError, load_config, settings_from_config
+from .store import PodRecord, pod_key
+
+
+def add_ops_arguments(sub) -> None:
+    def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--config", help="the proxy's config.yaml")
+        p.add_argument("--redis-url", help="overrides lora_affinity.redis_url")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    th = sub.add_parser("thresholds", help="show and change the live routing settings")
+    th_sub = th.add_subparsers(dest="action", required=True)
+    common(th_sub.add_parser("show", help="the settings in force and their version"))
+    setp = common(th_sub.add_parser("set", help="change settings: key=value ..."))
+    setp.add_argument("assignments", nargs="+", metavar="key=value")
+    setp.add_argument("--if-version", type=int, help="refuse unless the settings are at this version")
+    setp.add_argument("--by", help="who makes the change (default: $LORA_AFFINITY_OPERATOR or the login)")
+    hist = common(th_sub.add_parser("history", help="the audit trail of changes"))
+    hist.add_argument("--count", type=int, default=20)
+    reset = common(th_sub.add_parser("reset", help="back to the config file's values (a new version)"))
+    reset.add_argument("--by")
+    th.set_defaults(func=run_thresholds)
+
+    status = common(sub.add_parser("status", help="what the router sees: pods, metrics age, settings version"))
+    status.add_argument("--watch", type=float, nargs="?", const=1.0, help="refresh every N seconds")
+    status.set_defaults(func=run_status)
+
+    explain = common(sub.add_parser("explain", help="dry-run one routing decision on the live snapshot"))
+    explain.add_argument("--model", required=True, help="the requested model (adapter) name")
+    explain.add_argument("--criticality", choices=["critical", "sheddable"], default="critical")
+    explain.add_argument("--seed", type=int, default=0)
+    explain.set_defaults(func=run_explain)
+
+
+def _context(args: argparse.Namespace) -> tuple[Settings, dict, redis.Redis]:
+    config = load_config(args.config) if args.config else {}
+    environ = dict(os.environ)
+    if args.redis_url:
+        environ["LORA_AFFINITY_REDIS_URL"] = args.redis_url
+    settings = settings_from_config(config, environ)
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    return settings, config, client
+
+
+def _operator(args: argparse.Namespace) -> str:
+    if getattr(args, "by", None):
+        return args.by
+    try:
+        return os.environ.get("LORA_AFFINITY_OPERATOR") or getpass.getuser()
+    except Exception:
+        return "unknown"
+
+
+def _print(args: argparse.Namespace, data, text: str) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else text)
+
+
+def run_thresholds(args: argparse.Namespace) -> int:
+    base, _, client = _context(args)
+    prefix = base.key_prefix
+    try:
+        if args.action == "show":
+            copy = live_settings.read(client, prefix)
+            values = copy.values if copy else live_settings.live_values(base)
+            data = {**values, "version": copy.version if copy else 0}
+            lines = [f"version {data['version']}" + ("" if copy else " (not seeded yet: the config's values)")]
+            lines += [f"  {k} = {v}" for k, v in values.items()]
+            _print(args, data, "\n".join(lines))
+        elif args.action in ("set", "reset"):
+            if args.action == "set":
+                changes = live_settings.parse_assignments(args.assignments)
+                live_settings.apply_live(base, changes)  # names and types first, for a clear message
+            else:
+                changes, args.if_version = live_settings.live_values(base), None
+            old, new = live_settings.write(client, base, changes, _operator(args), args.if_version)
+            diff_old, diff_new = live_settings.diff(old.values if old else live_settings.live_values(base),
+                                                    new.values)
+            _print(args, {"version": new.version, "old": diff_old, "new": diff_new},
+                   f"version {new.version}: " + (", ".join(f"{k} {diff_old.get(k)!r} -> {v!r}"
+                                                            for k, v in diff_new.items()) or "no change"))
+        elif args.action == "history":
+            entries = live_settings.history(client, prefix, args.count)
+            lines = [f"v{e['version']:<4} {_when(e['at'])}  {e['by']:<16} "
+                     + ", ".join(f"{k}: {e['old'].get(k)!r} -> {v!r}" for k, v in e["new"].items())
+                     for e in entries]
+            _print(args, entries, "\n".join(lines) or "no changes recorded")
+    except SettingsError as exc:
+        print(f"error: {exc}; nothing changed", file=sys.stderr)
+        return 2
+    except live_settings.ConflictError as exc:
+        print(f"error: {exc}; nothing changed", file=sys.stderr)
+        return 3
+    except redis.RedisError as exc:
+        print(f"error: Redis at {base.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
+        return 4
+    return 0
+
+
+def _when(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _records(client: redis.Redis, settings: Settings, pods: list[str]) -> dict[str, PodRecord]:
+    if not pods:
+        pattern = pod_key(settings, "*")
+        pods = sorted(k.decode().split(":pod:", 1)[1] for k in client.scan_iter(match=pattern, count=1000))
+    raws = client.mget([pod_key(settings, p) for p in pods]) if pods else []
+    return {p: PodRecord.from_json(r) for p, r in zip(pods, raws) if r is not None} | {
+        p: None for p, r in zip(pods, raws) if r is None}
+
+
+def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: float) -> list[dict]:
+    rows = []
+    for pod, record in records.items():
+        if record is None:
+            rows.append({"pod": pod, "state": "down", "error": "no record (never scraped, or expired)"})
+            continue
+        age = record.age_s(now)
+        m = record.metrics
+        state = "down" if m is None else "stale" if age * 1000 > settings.stale_after_ms else "fresh"
+        row = {"pod": pod, "state": state, "age_s": round(age, 3), "error": record.error}
+        if m is not None:
+            row.update({"waiting": m.num_requests_waiting, "running": m.num_requests_running,
+                        "kv_pct": round(m.kv_cache_usage * 100, 1), "running_adapters": sorted(m.running_lora_adapters),
+                        "waiting_adapters": sorted(m.waiting_lora_adapters), "max_lora": m.max_lora})
+        rows.append(row)
+    return rows
+
+
+def _status_text(rows: list[dict], version: int, settings: Settings) -> str:
+    lines = [f"settings version {version}; Redis {settings.redacted_redis_url()}; scraper leader: - (one scraper)",
+             f"{'pod':<28}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'KV %':>6}{'max':>5}  running / waiting adapters"]
+    for r in rows:
+        if "waiting" in r:
+            lines.append(f"{r['pod']:<28}{r['state']:<7}{r['age_s']:>7.2f}{r['waiting']:>6}{r['running']:>5}"
+                         f"{r['kv_pct']:>6}{str(r['max_lora']):>5}  {','.join(r['running_adapters']) or '-'} / "
+                         f"{','.join(r['waiting_adapters']) or '-'}")
+        else:
+            lines.append(f"{r['pod']:<28}{r['state']:<7}{r.get('age_s', '-'):>7}  {r['error']}")
+    return "\n".join(lines)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    settings, config, client = _context(args)
+    pods = discover_pods(config.get("model_list") or [])
+    while True:
+        try:
+            copy = live_settings.read(client, settings.key_prefix)
+            rows = status_rows(settings, _records(client, settings, pods), time.time())
+        except redis.RedisError as exc:
+            print(f"error: Redis at {settings.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
+            return 4
+        version = copy.version if copy else 0
+        text = _status_text(rows, version, settings)
+        if args.watch:
+            print("\033[2J\033[H" + text, flush=True)
+            time.sleep(args.watch)
+            continue
+        _print(args, {"settings_version": version, "leader": None, "pods": rows}, text)
+        return 0
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    base, config, client = _context(args)
+    copy = live_settings.read(client, base.key_prefix)
+    settings = live_settings.apply_live(base, copy.values) if copy else base
+    pods = discover_pods(config.get("model_list") or [])
+    records = {p: r for p, r in _records(client, settings, pods).items() if r is not None}
+    fleet = FleetView(settings)
+    fleet.update(records)
+    candidates = fleet.candidates(list(records), time.time())
+    request = RouteRequest(adapter=args.model, sheddable=args.criticality == "sheddable")
+    data: dict = {"model": args.model, "criticality": args.criticality, "settings_version": copy.version if copy else 0,
+                  "rule_set": settings.rule_set, "candidates": [c.key for c in candidates]}
+    try:
+        decision = choose_pod(candidates, request, settings, random.Random(args.seed), explain=True)
+    except SchedulingError as exc:
+        data.update({"pick": None, "status": exc.status_code, "error": str(exc)})
+        _print(args, data, f"no pick: HTTP {exc.status_code}: {exc}")
+        return 0
+    data.update({"pick": decision.pod, "branch": decision.branch,
+                 "rules": [{"rule": name, "out": list(out)} for name, out in decision.trace]})
+    lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
+             f"  candidates: {', '.join(data['candidates'])}"]
+    lines += [f"  {name:<18} -> {', '.join(out)}" for name, out in decision.trace]
+    lines.append(f"  pick: {decision.pod} (branch {decision.branch})")
+    _print(args, data, "\n".join(lines))
+    return 0

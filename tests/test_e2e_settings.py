@@ -1,0 +1,121 @@
+"""Live settings across three real proxy processes sharing one real Redis.
+
+Observed by behaviour: pods wait 4 requests each, so a sheddable request is served while
+queue_threshold_critical >= 4 and refused with 429 below it, on every proxy.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from procs import MASTER_KEY, Proc, child_env, free_port, redis_server, wait_port
+from lora_affinity_plugin.live_settings import LiveCopy, live_values, settings_key
+from lora_affinity_plugin.processes import proxy_config, start_litellm_proxy, wait_proxy
+from lora_affinity_plugin.settings import build_settings
+
+CLI = [sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("settings")
+    redis_port = free_port()
+    pods = [free_port() for _ in range(2)]
+    procs: list[Proc] = []
+    store = redis_server(redis_port, tmp)
+    try:
+        procs.append(Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, pods)], tmp))
+        for p in pods:
+            wait_port(p)
+        for p in pods:
+            httpx.post(f"http://127.0.0.1:{p}/_control/metrics", json={"waiting": 4, "running": 2, "kv": 0.5})
+        config = proxy_config(pods, redis_port, scrape_interval_ms=100)
+        config["litellm_settings"]["callbacks"].insert(0, "prometheus")
+        config["litellm_settings"]["require_auth_for_metrics_endpoint"] = False
+        path = tmp / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        procs.append(Proc("scraper", CLI + ["scrape", "--config", str(path)], tmp))
+        ports = [free_port() for _ in range(3)]
+        proxies = [start_litellm_proxy(path, port, tmp, f"proxy-{i}") for i, port in enumerate(ports)]
+        procs += proxies
+        for proc, port in zip(proxies, ports):
+            wait_proxy(proc, port)
+        yield {"config": path, "ports": ports, "redis": redis.Redis(port=redis_port), "proxies": proxies}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        store.stop()
+
+
+def sheddable_status(port: int) -> int:
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                   json={"model": "sql-lora", "prompt": "x", "max_tokens": 3, "metadata": {"criticality": "sheddable"}},
+                   timeout=10)
+    return r.status_code
+
+
+def wait_all(ports, status, timeout=3.0) -> list[float]:
+    """Seconds until each proxy answers a sheddable request with `status`."""
+    start = time.monotonic()
+    seen: dict[int, float] = {}
+    while len(seen) < len(ports) and time.monotonic() - start < timeout:
+        for port in ports:
+            if port not in seen and sheddable_status(port) == status:
+                seen[port] = time.monotonic() - start
+    assert len(seen) == len(ports), f"not every proxy reached {status}: {seen}"
+    return list(seen.values())
+
+
+def cli(stack, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + ["thresholds", *args, "--config", str(stack["config"])], capture_output=True,
+                          text=True, env=child_env(), timeout=60)
+
+
+def test_a_change_reaches_every_proxy_within_a_second(stack):
+    wait_all(stack["ports"], 200)
+    out = cli(stack, "set", "queue_threshold_critical=3", "--by", "test")
+    assert out.returncode == 0, out.stderr
+    assert max(wait_all(stack["ports"], 429)) < 1.0
+    metrics = httpx.get(f"http://127.0.0.1:{stack['ports'][0]}/metrics/").text
+    version = json.loads(cli(stack, "show", "--json").stdout)["version"]
+    assert f"lora_affinity_settings_version {float(version)}" in metrics
+
+
+def test_a_lost_notice_still_converges(stack):
+    client, base = stack["redis"], build_settings({}, environ={})
+    current = LiveCopy.from_json(client.get(settings_key(base.key_prefix)))
+    values = {**current.values, "queue_threshold_critical": 5}
+    client.set(settings_key(base.key_prefix), LiveCopy(current.version + 1, values, time.time(), "no-publish").to_json())
+    assert max(wait_all(stack["ports"], 200)) < 1.0  # no pub/sub message was sent: the periodic check saw it
+
+
+def test_racing_writes_one_wins(stack):
+    version = json.loads(cli(stack, "show", "--json").stdout)["version"]
+    first = cli(stack, "set", "kv_cache_threshold=0.75", "--if-version", str(version))
+    second = cli(stack, "set", "kv_cache_threshold=0.7", "--if-version", str(version))
+    assert first.returncode == 0 and second.returncode == 3
+    assert "someone else changed them" in second.stderr
+    assert json.loads(cli(stack, "show", "--json").stdout)["kv_cache_threshold"] == 0.75
+
+
+def test_a_bad_hand_written_value_is_refused_and_the_last_good_stays(stack):
+    client, base = stack["redis"], build_settings({}, environ={})
+    out = cli(stack, "set", "queue_threshold_critical=3")
+    assert out.returncode == 0
+    wait_all(stack["ports"], 429)
+    current = LiveCopy.from_json(client.get(settings_key(base.key_prefix)))
+    bad = {**current.values, "queue_threshold_critical": -7}
+    client.set(settings_key(base.key_prefix), LiveCopy(current.version + 1, bad, time.time(), "by hand").to_json())
+    time.sleep(0.6)
+    assert all(sheddable_status(p) == 429 for p in stack["ports"])  # still version N's threshold of 3
+    assert all("refused live settings" in p.log() for p in stack["proxies"])
+    cli(stack, "reset")

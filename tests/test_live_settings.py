@@ -1,0 +1,123 @@
+"""Live settings: validation of every kind of bad input, compare-and-set, audit, and followers that
+refuse a bad value in Redis and keep the last good settings."""
+
+import json
+
+import fakeredis
+import pytest
+
+from lora_affinity_plugin import live_settings as ls
+from lora_affinity_plugin.fleet import FleetView
+from lora_affinity_plugin.follower import Follower
+from lora_affinity_plugin.metrics import SETTINGS_REJECTED
+from lora_affinity_plugin.settings import SettingsError, build_settings
+
+BASE = build_settings({}, environ={})
+
+
+@pytest.fixture
+def client():
+    return fakeredis.FakeRedis()
+
+
+BAD_SETS = [
+    (["kv_cache_threshold=1.5"], "kv_cache_threshold", "less than or equal to 1"),
+    (["kv_cache_threshold=-0.1"], "kv_cache_threshold", "greater than or equal to 0"),
+    (["kv_cache_threshold=high"], "kv_cache_threshold", "valid number"),
+    (["lora_affinity_threshold=2"], "lora_affinity_threshold", "less than or equal to 1"),
+    (["lora_affinity_threshold=-1"], "lora_affinity_threshold", "greater than or equal to 0"),
+    (["queueing_threshold_lora=-5"], "queueing_threshold_lora", "greater than or equal to 0"),
+    (["queueing_threshold_lora=1.5"], "queueing_threshold_lora", "valid integer"),
+    (["queueing_threshold_lora=[1]"], "queueing_threshold_lora", "valid integer"),
+    (["queue_threshold_critical=-1"], "queue_threshold_critical", "greater than or equal to 0"),
+    (["queue_threshold_critical=lots"], "queue_threshold_critical", "valid integer"),
+    (["scrape_interval_ms=1"], "scrape_interval_ms", "greater than or equal to 10"),
+    (["scrape_interval_ms=999999"], "scrape_interval_ms", "less than or equal to 60000"),
+    (["stale_after_ms=50000"], "stale_after_ms", "must not exceed metrics_ttl_ms"),
+    (["metrics_ttl_ms=100"], "stale_after_ms", "must not exceed metrics_ttl_ms"),
+    (["rule_set=round-robin"], "rule_set", "'lora-affinity' or 'gie-v0.2'"),
+    (["shedding=maybe"], "shedding", "valid boolean"),
+    (["count_dispatches=2"], "count_dispatches", "valid boolean"),
+    (["residency_memory=0"], "residency_memory", "greater than or equal to 1"),
+    (["spill_queue_margin=-3"], "spill_queue_margin", "greater than or equal to 0"),
+    (["sheddable_model_groups=5"], "sheddable_model_groups", "valid list"),
+    (["dispatch_lag_ms=-1"], "dispatch_lag_ms", "greater than or equal to 0"),
+    (["no_such_setting=1"], "no_such_setting", "unknown setting"),
+    (["redis_url=redis://elsewhere"], "redis_url", "cannot change at run time"),
+    (["key_prefix=other"], "key_prefix", "cannot change at run time"),
+    (["kv_cache_threshold"], "kv_cache_threshold", "expected key=value"),
+    (["=3"], "=3", "expected key=value"),
+]
+
+
+@pytest.mark.parametrize("pairs,field,fragment", BAD_SETS, ids=[b[0][0] for b in BAD_SETS])
+def test_bad_set_is_refused_with_field_and_nothing_changes(client, pairs, field, fragment):
+    ls.write(client, BASE, {"kv_cache_threshold": 0.7}, "setup")
+    before = client.get(ls.settings_key(BASE.key_prefix))
+    with pytest.raises(SettingsError) as err:
+        ls.write(client, BASE, ls.parse_assignments(pairs), "mallory")
+    assert field in str(err.value) and fragment in str(err.value)
+    assert client.get(ls.settings_key(BASE.key_prefix)) == before
+    assert len(ls.history(client, BASE.key_prefix)) == 1
+
+
+def test_a_change_is_versioned_and_audited(client):
+    _, v1 = ls.write(client, BASE, {"kv_cache_threshold": 0.7}, "alice")
+    _, v2 = ls.write(client, BASE, {"queue_threshold_critical": 3, "kv_cache_threshold": 0.7}, "bob")
+    assert (v1.version, v2.version) == (1, 2)
+    newest, oldest = ls.history(client, BASE.key_prefix)
+    assert oldest["by"] == "alice" and oldest["old"] == {"kv_cache_threshold": 0.8} and oldest["new"] == {"kv_cache_threshold": 0.7}
+    assert newest["by"] == "bob" and newest["new"] == {"queue_threshold_critical": 3}
+
+
+def test_racing_writers_one_wins_the_other_is_told(client):
+    ls.write(client, BASE, {"kv_cache_threshold": 0.7}, "setup")
+    ls.write(client, BASE, {"kv_cache_threshold": 0.6}, "alice", if_version=1)
+    with pytest.raises(ls.ConflictError, match="version 2, not 1"):
+        ls.write(client, BASE, {"kv_cache_threshold": 0.5}, "bob", if_version=1)
+    assert ls.read(client, BASE.key_prefix).values["kv_cache_threshold"] == 0.6
+
+
+def test_seed_only_when_redis_has_none(client):
+    assert ls.seed(client, BASE, "proxy") is True
+    ls.write(client, BASE, {"kv_cache_threshold": 0.5}, "ops")
+    assert ls.seed(client, BASE, "proxy") is False
+    assert ls.read(client, BASE.key_prefix).values["kv_cache_threshold"] == 0.5
+    assert ls.seed(client, BASE, "proxy", force=True) is True
+    assert ls.read(client, BASE.key_prefix).values["kv_cache_threshold"] == 0.8
+
+
+def good(version, **values):
+    return json.dumps({"version": version, "values": {**ls.live_values(BASE), **values}, "by": "t"}).encode()
+
+
+HAND_WRITTEN = [
+    b"not json",
+    b"[1, 2]",
+    json.dumps({"values": {}}).encode(),
+    json.dumps({"version": "7", "values": {}}).encode(),
+    json.dumps({"version": 0, "values": {}}).encode(),
+    json.dumps({"version": 9, "values": "kv=0.1"}).encode(),
+    good(9, kv_cache_threshold=3),
+    good(9, queueing_threshold_lora="many"),
+    good(9, rule_set="fastest"),
+    good(9, extra_knob=1),
+    good(9, redis_url="redis://evil:6379"),
+    good(9, stale_after_ms=99999),
+    good(9, scrape_interval_ms=0),
+]
+
+
+@pytest.mark.parametrize("raw", HAND_WRITTEN, ids=range(len(HAND_WRITTEN)))
+def test_follower_refuses_a_bad_hand_written_value_and_keeps_the_last_good(raw):
+    applied = []
+    follower = Follower(BASE, FleetView(BASE), lambda: [], applied.append)
+    follower._follow_settings(good(3, kv_cache_threshold=0.6))
+    assert follower.applied_version == 3 and applied[-1].kv_cache_threshold == 0.6
+    rejected = SETTINGS_REJECTED._value.get()
+    follower._follow_settings(raw)
+    follower._follow_settings(raw)  # the same bad value is counted and logged once
+    assert follower.applied_version == 3 and follower.settings.kv_cache_threshold == 0.6 and len(applied) == 1
+    assert SETTINGS_REJECTED._value.get() == rejected + 1
+    follower._follow_settings(good(10, kv_cache_threshold=0.5))  # a later good version still applies
+    assert follower.applied_version == 10 and applied[-1].kv_cache_threshold == 0.5
