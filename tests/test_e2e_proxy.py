@@ -143,3 +143,34 @@ def test_routing_falls_back_while_redis_is_down_and_returns_after(stack):
     stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
     stack.send("sql-lora", 6, pace_s=0.25)
     assert stack.served() == Counter({"B": 6, "A": 0, "C": 0})
+
+
+def _cli(stack, *args) -> str:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING", *args,
+                          "--config", str(stack.tmp / "config.yaml")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_status_shows_every_pod_fresh_with_its_metrics(stack):
+    import json
+
+    stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"], "waiting": 3}, IDLE)
+    data = json.loads(_cli(stack, "status", "--json"))
+    assert [row["state"] for row in data["pods"]] == ["fresh"] * 3
+    b = data["pods"][1]
+    assert (b["waiting"], b["running"], b["running_adapters"], b["max_lora"]) == (3, 2, ["sql-lora"], 4)
+    assert "fresh" in _cli(stack, "status")
+
+
+def test_explain_shows_each_rule_and_the_pick(stack):
+    import json
+
+    stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
+    data = json.loads(_cli(stack, "explain", "--model", "sql-lora", "--json"))
+    assert data["pick"] == stack.pod_url(1) and data["branch"] == "affinity"
+    assert [r["rule"] for r in data["rules"]][:2] == ["low_queue", "adapter_active"]
+    text = _cli(stack, "explain", "--model", "sql-lora", "--criticality", "sheddable")
+    assert "pick: " + stack.pod_url(1) in text
