@@ -52,6 +52,8 @@ def run_propagation(args: argparse.Namespace) -> int:
             wait_proxy(proc, port)
         base = build_settings({"redis_url": f"redis://127.0.0.1:{redis_port}/0"}, environ={})
         client, http = redis.Redis(port=redis_port), httpx.Client(timeout=5)
+        for port in ports:  # the first /metrics render of a proxy takes about a second: not part of the figure
+            _applied(http, port)
         per_proxy: list[list[float]] = [[] for _ in ports]
         for i in range(changes):
             value = 3 + i % 2  # alternate queue_threshold_critical between 3 and 4
@@ -66,7 +68,7 @@ def run_propagation(args: argparse.Namespace) -> int:
             time.sleep(0.05)
         everyone = [max(times) for times in zip(*per_proxy)]
         print(f"settings propagation over {changes} changes, {len(ports)} proxy replicas, one Redis (seconds)")
-        print(f"{'':<16}{'median':>8}{'p99':>8}{'max':>8}")
+        print(f"{'':<16}{'median':>8}{'p90':>8}{'p99':>8}{'max':>8}")
         for j, times in enumerate(per_proxy):
             print(f"{'proxy ' + str(j):<16}{_stats(times)}")
         print(f"{'all applied':<16}{_stats(everyone)}")
@@ -81,5 +83,6 @@ def _stats(values: list[float]) -> str:
     if not values:
         return "   (none applied)"
     ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))]
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return f"{statistics.median(ordered):8.3f}{p99:8.3f}{ordered[-1]:8.3f}"
+    return f"{statistics.median(ordered):8.3f}{p90:8.3f}{p99:8.3f}{ordered[-1]:8.3f}"
