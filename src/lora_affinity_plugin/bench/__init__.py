@@ -23,7 +23,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", *SCENARIOS]
+    return ["decisions", "propagation", "parse", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -31,6 +31,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .decisions import run_decisions
 
         return run_decisions(args)
+    if args.scenario == "parse":
+        from .parse import run_parse
+
+        return run_parse(args)
     if args.scenario == "propagation":
         from .propagation import run_propagation
 

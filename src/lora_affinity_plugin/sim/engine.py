@@ -30,6 +30,7 @@ class EngineConfig:
     disk_load_ms: float = 1000.0
     base_model: str = "meta-llama/Llama-2-7b-hf"
     mean_output_tokens: float = 580.0
+    min_output_tokens: int = 1
 
 
 @dataclass(eq=False)
@@ -89,7 +90,8 @@ class ReplicaEngine:
 
     # --- requests ----------------------------------------------------------------------------
     def output_length(self, max_tokens: int) -> int:
-        return max(1, min(max_tokens, 1 + int(self.rng.expovariate(1.0 / self.config.mean_output_tokens))))
+        drawn = 1 + int(self.rng.expovariate(1.0 / self.config.mean_output_tokens))
+        return max(1, min(max_tokens, max(self.config.min_output_tokens, drawn)))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -196,6 +196,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", help="comma-separated adapter names to serve (default: any name)")
     parser.add_argument("--warm-adapters", help="comma-separated adapters already loaded (GPU slots filled round-robin)")
     parser.add_argument("--base-model", default="meta-llama/Llama-2-7b-hf")
+    parser.add_argument("--min-output-tokens", type=int, default=1, help="floor of the drawn output length")
     parser.add_argument("--residency-metric", action="store_true",
                         help="expose vllm:lora_adapter_loaded{adapter_name,level} (proposed upstream)")
     parser.set_defaults(func=run_sim)
@@ -203,7 +204,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
     config = EngineConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, kv_blocks=args.kv_blocks,
-                          base_model=args.base_model)
+                          base_model=args.base_model, min_output_tokens=args.min_output_tokens)
     adapters = set(args.adapters.split(",")) if args.adapters else None
     warm = args.warm_adapters.split(",") if args.warm_adapters else []
     replicas = []

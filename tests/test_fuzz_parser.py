@@ -1,0 +1,87 @@
+"""Property-based fuzz of the parser and the scraper: garbage never crashes them; a bad page marks
+that pod with a reason, and the others are untouched."""
+
+import asyncio
+
+import fakeredis
+import httpx
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from lora_affinity_plugin.scraper import MetricsPageError, Scraper, parse_metrics
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import read_records
+
+NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+         "vllm:gpu_cache_usage_perc", "vllm:lora_requests_info", "vllm:cache_config_info", "vllm:lora_adapter_loaded",
+         "vllm:other_total"]
+values = st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.integers(-10**30, 10**30).map(str),
+                   st.sampled_from(["NaN", "+Inf", "-Inf", "", "abc", "1e999", "0x10", "1_000"]))
+label_values = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
+labels = st.dictionaries(st.sampled_from(["engine", "model_name", "running_lora_adapters", "waiting_lora_adapters",
+                                          "max_lora", "block_size", "num_gpu_blocks", "adapter_name", "level"]),
+                         label_values, max_size=5)
+
+
+@st.composite
+def lines(draw):
+    name = draw(st.sampled_from(NAMES))
+    lab = draw(labels)
+    body = ",".join(f'{k}="{v}"' for k, v in lab.items())
+    line = f"{name}{{{body}}} {draw(values)}" if draw(st.booleans()) else f"{name} {draw(values)}"
+    cut = draw(st.integers(0, len(line)))
+    return line[:cut] if draw(st.booleans()) and cut else line
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(lines(), max_size=30), st.binary(max_size=64))
+def test_parser_returns_a_record_or_a_clear_error(page_lines, noise):
+    text = "\n".join(page_lines) + noise.decode("utf-8", errors="replace")
+    try:
+        m = parse_metrics(text)
+    except MetricsPageError as exc:
+        assert str(exc)
+        return
+    assert m.num_requests_running >= 0 and m.num_requests_waiting >= 0
+    assert 0.0 <= m.kv_cache_usage <= 1.0
+    assert m.max_lora is None or m.max_lora >= 0
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+          deadline=None)
+@given(st.binary(max_size=2048), st.sampled_from([200, 200, 500, 404]))
+def test_scraper_marks_only_the_bad_pod(garbage, status):
+    good = "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
+
+    async def handler(request):
+        if request.url.host == "bad":
+            return httpx.Response(status, content=garbage)
+        return httpx.Response(200, text=good)
+
+    async def run():
+        redis = fakeredis.aioredis.FakeRedis()
+        settings = build_settings({"max_page_bytes": 1024}, environ={})
+        pods = ["http://good:1", "http://bad:1"]
+        scraper = Scraper(settings, pods, redis, transport=httpx.MockTransport(handler))
+        await asyncio.wait_for(scraper.scrape_once(), 5)
+        return await read_records(redis, settings, pods)
+
+    records = asyncio.run(run())
+    assert records["http://good:1"].ok and records["http://good:1"].metrics.num_requests_running == 2
+    bad = records["http://bad:1"]
+    assert bad.ok or bad.error  # either the bytes happen to be a valid page, or the pod carries a reason
+
+
+def test_a_page_of_many_megabytes_is_refused_without_reading_it_all():
+    big = "vllm:num_requests_running 1\n" + "# padding\n" * 1_000_000
+
+    async def handler(request):
+        return httpx.Response(200, text=big)
+
+    async def run():
+        redis = fakeredis.aioredis.FakeRedis()
+        settings = build_settings({}, environ={})
+        scraper = Scraper(settings, ["http://huge:1"], redis, transport=httpx.MockTransport(handler))
+        return (await scraper.scrape_once())[0]
+
+    record = asyncio.run(run())
+    assert record.error == "page larger than max_page_bytes=4194304"
