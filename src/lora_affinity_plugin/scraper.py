@@ -68,7 +68,6 @@ class Scraper:
         self._http = _LoopClient(max(4, len(self.pods)), settings.scrape_timeout_ms / 1000, transport)
         self._redis_down = Episode(logger, "scraper cannot write to Redis; metrics will age")
         self.cycles = 0
-        self.last_records: dict[str, PodRecord] = {}
 
     async def _fetch(self, client: httpx.AsyncClient, pod: str) -> str:
         limit = self.settings.max_page_bytes
@@ -100,7 +99,6 @@ class Scraper:
         started = time.perf_counter()
         client = self._http.get()
         records = await asyncio.gather(*(self._scrape_pod(client, pod) for pod in self.pods))
-        self.last_records = {r.pod: r for r in records}
         self.cycles += 1
         for record in records:
             if record.error is not None:

@@ -66,7 +66,6 @@ def make_engines(scenario: Scenario, seed: int) -> list[ReplicaEngine]:
 
 def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1,
              overrides: dict | None = None) -> Result:
-    rng = random.Random(seed)
     requests = workload(scenario, random.Random(f"{seed}-workload"))
     engines = make_engines(scenario, seed)
     policies = [make_policy(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
