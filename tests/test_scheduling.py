@@ -185,3 +185,18 @@ def test_explain_records_every_rule():
     names = [name for name, _ in decision.trace]
     assert names == ["low_queue", "lora_soft_affinity", "least_queue", "least_kv"]
     assert decision.trace[1][1] == ("a",)
+
+
+def test_band_width_zero_keeps_only_the_minimum_and_wider_bands_keep_more():
+    pods = [pod("a", waiting=0), pod("b", waiting=3), pod("c", waiting=9)]
+    narrow = build_settings({"rule_set": "gie-v0.2", "band_width": 0})
+    wide = build_settings({"rule_set": "gie-v0.2", "band_width": 3})
+    assert set(picks(pods, RouteRequest(None), narrow)) == {"a"}
+    assert set(picks(pods, RouteRequest(None), wide)) == {"a", "b", "c"}
+
+
+def test_a_disabled_rule_passes_its_input_on():
+    pods = [pod("a", kv=0.9), pod("b", kv=0.1)]
+    settings = build_settings({"rule_set": "gie-v0.2", "disabled_rules": ["least_kv"]})
+    assert set(picks(pods, RouteRequest(None), settings)) == {"a", "b"}
+    assert set(picks(pods, RouteRequest(None), GIE)) == {"b"}

@@ -49,3 +49,19 @@ def test_passwords_never_appear_in_errors_or_redacted_urls():
         build_settings({"redis_url": "redis://:s3cret@host", "kv_cache_threshold": 9}, environ={})
     assert "s3cret" not in str(err.value)
     assert Settings(redis_url="redis://:s3cret@h:1").redacted_redis_url() == "redis://***@h:1"
+
+
+def test_model_group_overrides_are_validated_and_applied():
+    s = build_settings({"model_group_overrides": {"batch": {"rule_set": "gie-v0.2", "kv_cache_threshold": 0.5}}},
+                       environ={})
+    assert s.for_group("batch").rule_set == "gie-v0.2" and s.for_group("batch").kv_cache_threshold == 0.5
+    assert s.for_group("other") is s
+    with pytest.raises(SettingsError, match="model_group_overrides.batch.kv_cache_threshold"):
+        build_settings({"model_group_overrides": {"batch": {"kv_cache_threshold": 5}}}, environ={})
+    with pytest.raises(SettingsError, match="model_group_overrides.batch.redis_url: not settable per model group"):
+        build_settings({"model_group_overrides": {"batch": {"redis_url": "redis://x"}}}, environ={})
+
+
+def test_unknown_rule_names_are_refused():
+    with pytest.raises(SettingsError, match="disabled_rules"):
+        build_settings({"disabled_rules": ["least_kv", "warp_drive"]}, environ={})

@@ -213,3 +213,11 @@ async def test_embedded_scraper_runs_inside_the_proxy_process(monkeypatch, tmp_p
 
 async def _record(started, scraper):
     started.append(scraper)
+
+
+async def test_model_group_override_changes_only_that_group():
+    router, strat, fleet = make(model_group_overrides={"batch-lora": {"queue_threshold_critical": 100}})
+    fleet.update({p: record(p, waiting=50) for p in PODS})
+    assert await route(router, "batch-lora", metadata={"criticality": "sheddable"}) in PODS
+    with pytest.raises(litellm.RateLimitError):
+        await route(router, "sql-lora", metadata={"criticality": "sheddable"})

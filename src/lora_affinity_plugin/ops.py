@@ -202,11 +202,17 @@ def run_explain(args: argparse.Namespace) -> int:
         data.update({"pick": None, "status": exc.status_code, "error": str(exc)})
         _print(args, data, f"no pick: HTTP {exc.status_code}: {exc}")
         return 0
-    data.update({"pick": decision.pod, "branch": decision.branch,
-                 "rules": [{"rule": name, "out": list(out)} for name, out in decision.trace]})
+    steps, before = [], list(data["candidates"])
+    for name, out in decision.trace:
+        steps.append({"rule": name, "in": before, "out": list(out)})
+        before = list(out)
+    data.update({"pick": decision.pod, "branch": decision.branch, "rules": steps})
+    view = {c.key: c for c in candidates}
     lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
-             f"  candidates: {', '.join(data['candidates'])}"]
-    lines += [f"  {name:<18} -> {', '.join(out)}" for name, out in decision.trace]
+             "  candidates (waiting, running, KV, active adapters):"]
+    lines += [f"    {c.key}: {c.waiting}, {c.running}, {c.kv_cache_usage:.2f}, {','.join(sorted(c.active_adapters)) or '-'}"
+              for c in view.values()]
+    lines += [f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}" for s in steps]
     lines.append(f"  pick: {decision.pod} (branch {decision.branch})")
     _print(args, data, "\n".join(lines))
     return 0

@@ -92,15 +92,17 @@ class NoCapacity(SchedulingError):
 class _Run:
     """One decision in progress: applies fail-open filters and records them when explaining."""
 
-    __slots__ = ("rng", "trace")
+    __slots__ = ("rng", "trace", "disabled", "width")
 
-    def __init__(self, rng: random.Random, explain: bool) -> None:
+    def __init__(self, rng: random.Random, explain: bool, settings: Settings) -> None:
         self.rng = rng
         self.trace: list[tuple[str, tuple[str, ...]]] | None = [] if explain else None
+        self.disabled = settings.disabled_rules
+        self.width = settings.band_width
 
     def apply(self, name: str, pods: list[Candidate], kept: list[Candidate]) -> list[Candidate]:
-        """Fail open: a filter that leaves nobody passes its input on."""
-        out = kept or pods
+        """Fail open: a filter that leaves nobody (or is disabled) passes its input on."""
+        out = pods if not kept or (self.disabled and name in self.disabled) else kept
         if self.trace is not None:
             self.trace.append((name, tuple(p.key for p in out)))
         return out
@@ -110,29 +112,29 @@ class _Run:
         return Decision(chosen.key, branch, self.trace or [])
 
 
-def least_band_int(values: Sequence[int]) -> int:
+def least_band_int(values: Sequence[int], width: float = 1.0) -> int:
     """Upper edge of the "least" band `[min, min + (max - min) // N]` for integer metrics."""
     lo, hi = min(values), max(values)
-    return lo + (hi - lo) // len(values)
+    return lo + (hi - lo) // len(values) if width == 1.0 else lo + int((hi - lo) * width / len(values))
 
 
-def least_band_float(values: Sequence[float]) -> float:
+def least_band_float(values: Sequence[float], width: float = 1.0) -> float:
     lo, hi = min(values), max(values)
-    return lo + (hi - lo) / len(values)
+    return lo + (hi - lo) * width / len(values)
 
 
-def _least_waiting(pods: list[Candidate]) -> list[Candidate]:
-    edge = least_band_int([p.waiting for p in pods])
+def _least_waiting(pods: list[Candidate], width: float) -> list[Candidate]:
+    edge = least_band_int([p.waiting for p in pods], width)
     return [p for p in pods if p.waiting <= edge]
 
 
-def _least_load(pods: list[Candidate]) -> list[Candidate]:
-    edge = least_band_int([p.load for p in pods])
+def _least_load(pods: list[Candidate], width: float) -> list[Candidate]:
+    edge = least_band_int([p.load for p in pods], width)
     return [p for p in pods if p.load <= edge]
 
 
-def _least_kv(pods: list[Candidate]) -> list[Candidate]:
-    edge = least_band_float([p.kv_cache_usage for p in pods])
+def _least_kv(pods: list[Candidate], width: float) -> list[Candidate]:
+    edge = least_band_float([p.kv_cache_usage for p in pods], width)
     return [p for p in pods if p.kv_cache_usage <= edge]
 
 
@@ -148,7 +150,7 @@ def choose_pod(
     pods = list(candidates)
     if not pods:
         raise NoCapacity("no candidate pods for this model")
-    run = _Run(rng, explain)
+    run = _Run(rng, explain, settings)
     if request.sheddable and settings.shedding:
         pods = _sheddable_capacity(pods, settings, run)
     if settings.rule_set == "gie-v0.2":
@@ -182,15 +184,15 @@ def _gie_v02(pods: list[Candidate], request: RouteRequest, settings: Settings, r
         pods = run.apply("low_queue", pods, low_queue)
         if request.adapter is not None:
             pods = run.apply("lora_soft_affinity", pods, _soft_affinity(pods, request.adapter, settings, run))
-        pods = run.apply("least_queue", pods, _least_waiting(pods))
-        pods = run.apply("least_kv", pods, _least_kv(pods))
+        pods = run.apply("least_queue", pods, _least_waiting(pods, run.width))
+        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
         return run.pick(pods, "low_queue")
-    pods = run.apply("least_queue", pods, _least_waiting(pods))
+    pods = run.apply("least_queue", pods, _least_waiting(pods, run.width))
     if request.adapter is not None:
         adapter = request.adapter
         low_cost = [p for p in pods if adapter in p.active_adapters or p.has_free_slot()]
         pods = run.apply("low_cost_lora", pods, low_cost)
-    pods = run.apply("least_kv", pods, _least_kv(pods))
+    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
     return run.pick(pods, "high_queue")
 
 
@@ -209,8 +211,8 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
     pods = run.apply("low_queue", pods, low_queue)
     if request.adapter is None:
-        pods = run.apply("least_load", pods, _least_load(pods))
-        pods = run.apply("least_kv", pods, _least_kv(pods))
+        pods = run.apply("least_load", pods, _least_load(pods, run.width))
+        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
         return run.pick(pods, "base_model")
 
     adapter = request.adapter
@@ -219,8 +221,8 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     roomy = [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin]
     if roomy:
         pods = run.apply("adapter_active", pods, roomy)
-        pods = run.apply("least_load", pods, _least_load(pods))
-        pods = run.apply("least_kv", pods, _least_kv(pods))
+        pods = run.apply("least_load", pods, _least_load(pods, run.width))
+        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
         return run.pick(pods, "affinity")
 
     # Place (or spill) the adapter where it adds the least contention: a pod with a free slot,
@@ -231,6 +233,6 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     pods = run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
     fewest = min(len(p.active_adapters) for p in pods)
     pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
-    pods = run.apply("least_load", pods, _least_load(pods))
-    pods = run.apply("least_kv", pods, _least_kv(pods))
+    pods = run.apply("least_load", pods, _least_load(pods, run.width))
+    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
     return run.pick(pods, branch)

@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENV_PREFIX = "LORA_AFFINITY_"
 RuleSet = Literal["lora-affinity", "gie-v0.2"]
+RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_lora", "least_kv", "least_load",
+                   "adapter_active", "resident", "free_slot", "fewest_adapters"]
+# Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
+GROUP_SETTINGS = ("queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
+                  "rule_set", "spill_queue_margin", "band_width", "disabled_rules", "shedding")
 
 
 class SettingsError(ValueError):
@@ -57,6 +62,13 @@ class Settings(BaseModel):
     """lora-affinity rules: spill an adapter to another pod once all its pods carry this many more
     requests than the least-loaded pod (a bigger batch is almost free; another adapter is not)."""
 
+    band_width: float = Field(1.0, ge=0.0, le=100.0)
+    """Width of the "least" bands in units of (max - min) / N: 1 is the endpoint picker's, 0 keeps only the minimum."""
+    disabled_rules: list[RuleName] = Field(default_factory=list)
+    """Filters to skip (each passes its input on); the order of the others is the rule set's."""
+    model_group_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per model group, any of GROUP_SETTINGS, e.g. {"batch-lora": {"rule_set": "gie-v0.2"}}."""
+
     count_dispatches: bool = True
     """Add requests sent since a pod's last scrape to its queue (stops herding on one snapshot)."""
     remember_residency: bool = True
@@ -82,7 +94,27 @@ class Settings(BaseModel):
         if self.stale_after_ms > self.metrics_ttl_ms:
             raise ValueError(f"stale_after_ms ({self.stale_after_ms}) must not exceed metrics_ttl_ms "
                              f"({self.metrics_ttl_ms}): a pod cannot turn stale after its record expired")
+        for group, override in self.model_group_overrides.items():
+            if not isinstance(override, dict):
+                raise ValueError(f"model_group_overrides.{group}: expected a mapping of setting names to values")
+            bad = sorted(set(override) - set(GROUP_SETTINGS))
+            if bad:
+                raise ValueError(f"model_group_overrides.{group}.{bad[0]}: not settable per model group; "
+                                 f"allowed: {', '.join(GROUP_SETTINGS)}")
+            try:
+                Settings.model_validate({**self.model_dump(exclude={"model_group_overrides"}), **override})
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                raise ValueError(f"model_group_overrides.{group}.{where}: {first['msg']}") from None
         return self
+
+    def for_group(self, model_group: str) -> "Settings":
+        """These settings with the group's overrides applied (validated when the settings were)."""
+        override = self.model_group_overrides.get(model_group)
+        if not override:
+            return self
+        return Settings.model_validate({**self.model_dump(exclude={"model_group_overrides"}), **override})
 
     def redacted_redis_url(self) -> str:
         """The Redis URL with any password replaced, for logs and status output."""

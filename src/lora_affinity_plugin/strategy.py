@@ -45,6 +45,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.base_settings = settings
         """The file and environment; live values from Redis are applied on top."""
         self.settings = settings
+        self._per_group: dict[str, Settings] = {}
         self.follower: Follower | None = None
         self.fleet = fleet or FleetView(settings)
         self.rng = rng or random.Random()
@@ -134,7 +135,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if adapter in self.fleet.model_names(candidates[0].key):
             adapter = None  # the base model: no LoRA rule applies
         request = RouteRequest(adapter=adapter, sheddable=self._sheddable(model, request_kwargs))
-        decision = choose_pod(candidates, request, self.settings, self.rng)
+        decision = choose_pod(candidates, request, self._group_settings(model), self.rng)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s -> %s (%s) among %s", adapter, decision.pod, decision.branch,
                          [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates])
@@ -142,6 +143,14 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.decisions += 1
         DECISIONS.labels(decision.branch).inc()
         return by_pod[decision.pod]
+
+    def _group_settings(self, model: str) -> Settings:
+        if model not in self.settings.model_group_overrides:
+            return self.settings
+        cached = self._per_group.get(model)
+        if cached is None:
+            cached = self._per_group[model] = self.settings.for_group(model)
+        return cached
 
     def _sheddable(self, model: str, request_kwargs: Mapping[str, Any]) -> bool:
         if model in self.settings.sheddable_model_groups:
@@ -176,6 +185,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
     def apply_settings(self, settings: Settings) -> None:
         """Live settings take effect for the next decision; the rules read them per call."""
         self.settings = settings
+        self._per_group = {}
         self.fleet.settings = settings
 
     def stop(self) -> None:
