@@ -71,7 +71,10 @@ class Scraper:
 
     async def _fetch(self, client: httpx.AsyncClient, pod: str) -> str:
         limit = self.settings.max_page_bytes
-        async with client.stream("GET", pod + self.settings.metrics_path, auth=self._auth or httpx.USE_CLIENT_DEFAULT) as resp:
+        token = self.settings.metrics_bearer_token
+        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else None
+        async with client.stream("GET", pod + self.settings.metrics_path, headers=headers,
+                                 auth=self._auth or httpx.USE_CLIENT_DEFAULT) as resp:
             if resp.status_code != 200:
                 raise MetricsPageError(f"HTTP {resp.status_code} from {self.settings.metrics_path}")
             chunks, size = [], 0

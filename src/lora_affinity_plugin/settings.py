@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "LORA_AFFINITY_"
 RuleSet = Literal["lora-affinity", "gie-v0.2"]
@@ -41,6 +41,8 @@ class Settings(BaseModel):
     scrape_timeout_ms: int = Field(1_000, ge=10, le=60_000)
     max_page_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     metrics_path: str = "/metrics"
+    metrics_bearer_token: SecretStr | None = None
+    """Sent as `Authorization: Bearer ...` to every /metrics (vLLM behind an auth proxy); never logged."""
     embedded_scraper: bool = False
 
     # Freshness: older metrics make a pod a backup only; past metrics_ttl_ms they are not used at all
@@ -123,7 +125,7 @@ class Settings(BaseModel):
 
 # Settings an operator may change at run time (`lora-affinity thresholds set`); the rest need a restart.
 RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
-                          "adapter_info_key"})
+                          "adapter_info_key", "metrics_bearer_token"})
 LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 
@@ -179,6 +181,8 @@ def describe_validation_error(exc: ValidationError, raw: dict[str, Any]) -> str:
         given = raw.get(str(err["loc"][0])) if err["loc"] else None
         if field == "redis_url" and isinstance(given, str):
             given = redact_url(given)
+        elif field == "metrics_bearer_token":
+            given = "***"
         if err["type"] == "extra_forbidden":
             allowed = "one of: " + ", ".join(sorted(Settings.model_fields))
             lines.append(f"{field}: unknown setting; allowed names are {allowed}")

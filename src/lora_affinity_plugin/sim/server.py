@@ -98,7 +98,7 @@ def _prompt_tokens(body: dict) -> int:
     return max(1, round(len(text.split()) * 1.9))  # ~17 tokens for the seed's 9-word prompt
 
 
-def make_app(replica: LiveReplica, base_model: str) -> Starlette:
+def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = None) -> Starlette:
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
 
@@ -170,7 +170,9 @@ def make_app(replica: LiveReplica, base_model: str) -> Starlette:
     async def health(_: Request):
         return PlainTextResponse("")
 
-    async def metrics(_: Request):
+    async def metrics(request: Request):
+        if metrics_token and request.headers.get("authorization") != f"Bearer {metrics_token}":
+            return PlainTextResponse("unauthorized", status_code=401)
         return PlainTextResponse(render_metrics(replica, base_model), media_type="text/plain; version=0.0.4")
 
     return Starlette(routes=[
@@ -196,6 +198,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", help="comma-separated adapter names to serve (default: any name)")
     parser.add_argument("--warm-adapters", help="comma-separated adapters already loaded (GPU slots filled round-robin)")
     parser.add_argument("--base-model", default="meta-llama/Llama-2-7b-hf")
+    parser.add_argument("--metrics-token", help="require `Authorization: Bearer TOKEN` on /metrics")
     parser.add_argument("--min-output-tokens", type=int, default=1, help="floor of the drawn output length")
     parser.add_argument("--residency-metric", action="store_true",
                         help="expose vllm:lora_adapter_loaded{adapter_name,level} (proposed upstream)")
@@ -218,7 +221,7 @@ def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
 async def serve(args: argparse.Namespace) -> None:
     replicas = build_replicas(args)
     servers = [
-        uvicorn.Server(uvicorn.Config(make_app(rep, args.base_model), host=args.host, port=args.base_port + i,
+        uvicorn.Server(uvicorn.Config(make_app(rep, args.base_model, args.metrics_token), host=args.host, port=args.base_port + i,
                                       log_level="warning", access_log=False, timeout_graceful_shutdown=1))
         for i, rep in enumerate(replicas)
     ]
