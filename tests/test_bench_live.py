@@ -43,3 +43,10 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "Redis: redis-server" in stdout
     assert "simple-shuffle" in stdout and "lora-affinity completed" in stdout
     assert len(json.loads((tmp_path / "demo.json").read_text())) == 2
+
+
+def test_short_soak_with_faults_reports_no_errors_and_no_leaks():
+    stdout = run(["bench", "--scenario", "soak", "--minutes", "0.4", "--rate", "15"], timeout=300)
+    assert "Redis restarted" in stdout and "killed and restarted" in stdout
+    assert "errors 0" in stdout
+    assert "left running or waiting on the replicas after the load: 0" in stdout
