@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from procs import MASTER_KEY, Proc, free_port, litellm_proxy, lora_affinity, redis_server, wait_port, write_config
+from procs import (MASTER_KEY, Proc, free_port, free_port_range, litellm_proxy, lora_affinity, redis_server, wait_port,
+                   write_config)
 
 TRIES = 50
 
@@ -23,8 +24,8 @@ TRIES = 50
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disconnect")
-    redis_port, proxy_port = free_port(), free_port()
-    base = free_port()
+    base = free_port_range(2)
+    redis_port, proxy_port = (next(p for p in iter(free_port, None) if p not in (base, base + 1)) for _ in range(2))
     procs: list[Proc] = []
     store = redis_server(redis_port, tmp)
     try:

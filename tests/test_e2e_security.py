@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from procs import MASTER_KEY, Proc, child_env, free_port, wait_port
+from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, wait_port
 from lora_affinity_plugin.processes import litellm_proxy, proxy_config
 
 PASSWORD, USER_PASSWORD, TOKEN = "adm1n-s3cret", "us3r-s3cret", "metr1cs-t0ken"
@@ -35,7 +35,8 @@ def stack(tmp_path_factory):
     (tmp / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
             "server.crt", "-days", "2", "-extfile", "ext.cnf", cwd=tmp)
-    tls_port, sim_base = free_port(), free_port()
+    sim_base = free_port_range(2)
+    tls_port = next(p for p in iter(free_port, None) if p not in (sim_base, sim_base + 1))
     (tmp / "users.acl").write_text(
         f"user default on >{PASSWORD} ~* &* +@all\n"
         f"user lora on >{USER_PASSWORD} ~{{lora_affinity}}:* &{{lora_affinity}}:* +@all\n")

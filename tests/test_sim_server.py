@@ -9,14 +9,12 @@ import openai
 import pytest
 
 from lora_affinity_plugin.scraper import parse_metrics
-from procs import Proc, free_port, wait_port
+from procs import Proc, free_port_range, wait_port
 
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    base = free_port()
-    while base + 1 == free_port():  # need base and base+1
-        base = free_port()
+    base = free_port_range(2)
     proc = Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2", "--base-port",
                         str(base), "--speed", "20", "--kv-metric-name", "gpu_cache_usage_perc",
                         "--adapters", "sql-lora,tweet-summary", "--residency-metric"],

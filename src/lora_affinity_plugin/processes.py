@@ -27,6 +27,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(count: int) -> int:
+    """A base port with `count` free consecutive ports after it."""
+    for _ in range(200):
+        base = free_port()
+        if base + count >= 65535:
+            continue
+        try:
+            socks = []
+            for port in range(base, base + count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def wait_port(port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

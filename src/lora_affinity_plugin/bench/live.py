@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -22,7 +21,8 @@ import redis
 import yaml
 from tqdm import tqdm
 
-from ..processes import MASTER_KEY, Proc, child_env, free_port, redis_server, start_litellm_proxy, wait_port, wait_proxy
+from ..processes import (MASTER_KEY, Proc, child_env, free_port, free_port_range, redis_server, start_litellm_proxy,
+                         wait_port, wait_proxy)
 from ..sim.policies import GIE_V02
 from .loadgen import run_load
 from .results import Result, summarize
@@ -32,27 +32,6 @@ LITELLM_BUILTINS = {"simple-shuffle", "least-busy", "latency-based-routing", "us
 PLUGIN_RULES = {"lora-affinity": {}, "gie-v0.2": GIE_V02}
 LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random"}
 DEFAULT_SPEED = 10.0
-
-
-def free_port_range(count: int) -> int:
-    """A base port with `count` free consecutive ports after it."""
-    for _ in range(200):
-        base = free_port()
-        if base + count >= 65535:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def plugin_settings(speed: float, overrides: dict) -> dict:
