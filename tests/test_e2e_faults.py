@@ -15,7 +15,7 @@ import yaml
 from procs import MASTER_KEY, Proc, child_env, free_port, litellm_proxy, lora_affinity, redis_server, wait_port
 from lora_affinity_plugin.processes import proxy_config
 
-INTERVAL_MS = 100
+INTERVAL_MS = 200
 TTL_S = 2
 
 

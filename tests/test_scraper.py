@@ -73,19 +73,37 @@ async def test_one_pooled_client_across_cycles_recreated_when_closed(redis):
     assert scraper._http._client is None
 
 
-async def test_redis_down_does_not_stop_scraping(caplog):
+async def test_redis_down_is_survived_and_logged_once(caplog):
     class Down:
-        def pipeline(self, transaction=False):
+        async def eval(self, *args):
             raise ConnectionError("redis is down")
 
         async def aclose(self):
             pass
 
     scraper = Scraper(build_settings({}), PODS, Down(), transport=transport({p: GOOD for p in PODS}))
+    assert await scraper.scrape_once() == []  # no lease can be taken: nothing to scrape for
+    scraper.leader = True  # a leader that loses Redis keeps scraping and keeps trying to write
     for _ in range(3):
         records = await scraper.scrape_once()
     assert all(r.ok for r in records) and scraper.cycles == 3
     assert sum("cannot write to Redis" in r.message for r in caplog.records) == 1
+
+
+async def test_only_the_lease_holder_scrapes_and_a_stale_leader_is_fenced(redis):
+    settings = build_settings({"scraper_lease_ms": 200})
+    pages = transport({p: GOOD for p in PODS})
+    first = Scraper(settings, PODS, redis, transport=pages)
+    second = Scraper(settings, PODS, redis, transport=pages)
+    assert len(await first.scrape_once()) == 3 and first.leader
+    assert await second.scrape_once() == [] and not second.leader and second.holder == first.holder
+    await asyncio.sleep(0.3)  # the first worker pauses past its lease
+    assert len(await second.scrape_once()) == 3 and second.leader
+    assert second.holder.endswith("#2")  # a new fencing token
+    await first.scrape_once()  # wakes up, still believes it leads: its write is refused
+    assert not first.leader
+    records = await read_records(redis, settings, PODS)
+    assert all(r.scraper == second.holder for r in records.values())
 
 
 async def test_run_keeps_the_interval_and_stops(redis):

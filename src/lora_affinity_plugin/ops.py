@@ -19,6 +19,7 @@ import redis
 
 from . import live_settings
 from .fleet import FleetView
+from .lease import lease_key
 from .pods import discover_pods
 from .scheduling import RouteRequest, SchedulingError, choose_pod
 from .settings import Settings, SettingsError, load_config, settings_from_config
@@ -142,7 +143,7 @@ def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: f
         age = record.age_s(now)
         m = record.metrics
         state = "down" if m is None else "stale" if age * 1000 > settings.stale_after_ms else "fresh"
-        row = {"pod": pod, "state": state, "age_s": round(age, 3), "error": record.error}
+        row = {"pod": pod, "state": state, "age_s": round(age, 3), "error": record.error, "scraper": record.scraper}
         if m is not None:
             row.update({"waiting": m.num_requests_waiting, "running": m.num_requests_running,
                         "kv_pct": round(m.kv_cache_usage * 100, 1), "running_adapters": sorted(m.running_lora_adapters),
@@ -151,8 +152,8 @@ def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: f
     return rows
 
 
-def _status_text(rows: list[dict], version: int, settings: Settings) -> str:
-    lines = [f"settings version {version}; Redis {settings.redacted_redis_url()}; scraper leader: - (one scraper)",
+def _status_text(rows: list[dict], version: int, settings: Settings, leader: str | None) -> str:
+    lines = [f"settings version {version}; Redis {settings.redacted_redis_url()}; scraper leader: {leader or 'none'}",
              f"{'pod':<28}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'KV %':>6}{'max':>5}  running / waiting adapters"]
     for r in rows:
         if "waiting" in r:
@@ -175,12 +176,14 @@ def run_status(args: argparse.Namespace) -> int:
             print(f"error: Redis at {settings.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
             return 4
         version = copy.version if copy else 0
-        text = _status_text(rows, version, settings)
+        holder = client.get(lease_key(settings.key_prefix))
+        leader = holder.decode() if holder else None
+        text = _status_text(rows, version, settings, leader)
         if args.watch:
             print("\033[2J\033[H" + text, flush=True)
             time.sleep(args.watch)
             continue
-        _print(args, {"settings_version": version, "leader": None, "pods": rows}, text)
+        _print(args, {"settings_version": version, "leader": leader, "pods": rows}, text)
         return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import httpx
@@ -18,7 +19,8 @@ from .live_settings import LiveCopy, apply_live, settings_key
 from .metrics import SCRAPE_ERRORS, SCRAPE_SECONDS
 from .parsing import MetricsPageError, parse_metrics
 from .settings import Settings, SettingsError
-from .store import PodRecord, connect, write_records
+from .lease import LeaseResult, lease_and_write, worker_id
+from .store import PodRecord, connect, pod_key
 
 __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
 
@@ -67,6 +69,9 @@ class Scraper:
         self._auth = auth
         self._http = _LoopClient(max(4, len(self.pods)), settings.scrape_timeout_ms / 1000, transport)
         self._redis_down = Episode(logger, "scraper cannot write to Redis; metrics will age")
+        self.worker = worker_id()
+        self.leader = False
+        self.holder: str | None = None
         self.cycles = 0
 
     async def _fetch(self, client: httpx.AsyncClient, pod: str) -> str:
@@ -98,27 +103,42 @@ class Scraper:
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error=f"{type(exc).__name__}: {exc}"[:200])
 
     async def scrape_once(self) -> list[PodRecord]:
-        """Scrape every pod concurrently and write all records in one pipelined round trip."""
+        """Scrape every pod concurrently and write all records in one round trip, if holding the lease.
+
+        A worker without the lease only tries to take it (one small round trip) and scrapes nothing.
+        """
         started = time.perf_counter()
+        if self._redis is None:
+            self._redis = connect(self.settings)
+        if not self.leader and not await self._lease():
+            return []
         client = self._http.get()
         records = await asyncio.gather(*(self._scrape_pod(client, pod) for pod in self.pods))
         self.cycles += 1
         for record in records:
             if record.error is not None:
                 SCRAPE_ERRORS.labels(record.pod).inc()
-        if self._redis is None:
-            self._redis = connect(self.settings)
-        try:
-            live = await write_records(self._redis, self.settings, records,
-                                       also_get=settings_key(self.base_settings.key_prefix))
-            self._redis_down.recover()
-        except Exception as exc:  # redis errors of any kind: keep scraping, try again next cycle
-            self._redis_down.fail(type(exc).__name__)
-        else:
-            if live is not None:
-                self._follow_settings(live)
+        stamped = [replace(r, scraper=self.holder) for r in records]
+        await self._lease([(pod_key(self.settings, r.pod), r.to_json()) for r in stamped])
         SCRAPE_SECONDS.observe(time.perf_counter() - started)
         return records
+
+    async def _lease(self, records: list[tuple[str, bytes]] | None = None) -> bool:
+        """Take or renew the lease, writing `records` only while holding it; False when not the leader."""
+        try:
+            result: LeaseResult = await lease_and_write(
+                self._redis, self.base_settings.key_prefix, self.worker, self.settings.scraper_lease_ms,
+                self.settings.metrics_ttl_ms, settings_key(self.base_settings.key_prefix), records or ())
+        except Exception as exc:  # redis errors of any kind: keep trying every cycle
+            self._redis_down.fail(type(exc).__name__)
+            return self.leader
+        self._redis_down.recover()
+        if result.leader != self.leader:
+            logger.info("%s the scraper lease (%s)", "took" if result.leader else "lost", result.holder)
+        self.leader, self.holder = result.leader, result.holder
+        if result.settings_raw is not None:
+            self._follow_settings(result.settings_raw)
+        return result.leader
 
     def _follow_settings(self, raw: bytes) -> None:
         """Interval, timeouts and TTLs follow `thresholds set` too; invalid values are ignored."""

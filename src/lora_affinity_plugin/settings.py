@@ -44,6 +44,8 @@ class Settings(BaseModel):
     metrics_bearer_token: SecretStr | None = None
     """Sent as `Authorization: Bearer ...` to every /metrics (vLLM behind an auth proxy); never logged."""
     embedded_scraper: bool = False
+    scraper_lease_ms: int = Field(1_000, ge=50, le=60_000)
+    """Only the holder of this Redis lease scrapes; another worker takes over within two lease periods."""
 
     # Freshness: older metrics make a pod a backup only; past metrics_ttl_ms they are not used at all
     # (and expire from Redis).

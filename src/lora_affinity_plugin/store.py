@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import redis.asyncio as aioredis
 
@@ -27,6 +27,8 @@ class PodRecord:
     """Unix time of the scrape (seconds)."""
     metrics: PodMetrics | None
     error: str | None = None
+    scraper: str | None = None
+    """`worker#token` of the scraper that wrote it."""
 
     @property
     def ok(self) -> bool:
@@ -36,7 +38,8 @@ class PodRecord:
         return max(0.0, (time.time() if now is None else now) - self.scraped_at)
 
     def to_json(self) -> bytes:
-        body: dict[str, Any] = {"pod": self.pod, "scraped_at": self.scraped_at, "error": self.error}
+        body: dict[str, Any] = {"pod": self.pod, "scraped_at": self.scraped_at, "error": self.error,
+                                "scraper": self.scraper}
         if self.metrics is not None:
             metrics = asdict(self.metrics)
             for key, value in metrics.items():
@@ -53,7 +56,8 @@ class PodRecord:
             for key in ("running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "model_names"):
                 metrics[key] = frozenset(metrics.get(key) or ())
             metrics = PodMetrics(**metrics)
-        return cls(pod=body["pod"], scraped_at=float(body["scraped_at"]), metrics=metrics, error=body.get("error"))
+        return cls(pod=body["pod"], scraped_at=float(body["scraped_at"]), metrics=metrics, error=body.get("error"),
+                   scraper=body.get("scraper"))
 
 
 def pod_key(settings: Settings, pod: str) -> str:
@@ -72,21 +76,6 @@ def connect(settings: Settings, *, blocking: bool = False) -> aioredis.Redis:
         socket_connect_timeout=timeout,
         health_check_interval=30,
     )
-
-
-async def write_records(client: aioredis.Redis, settings: Settings, records: Iterable[PodRecord],
-                        also_get: str | None = None) -> bytes | None:
-    """One pipelined round trip per scrape cycle; each record serialized once.
-
-    `also_get` reads one more key in the same round trip (the live settings) and returns its value.
-    """
-    async with client.pipeline(transaction=False) as pipe:
-        for record in records:
-            pipe.set(pod_key(settings, record.pod), record.to_json(), px=settings.metrics_ttl_ms)
-        if also_get is not None:
-            pipe.get(also_get)
-        results = await pipe.execute()
-    return results[-1] if also_get is not None else None
 
 
 async def read_records(client: aioredis.Redis, settings: Settings, pods: Sequence[str]) -> dict[str, PodRecord]:

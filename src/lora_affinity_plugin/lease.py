@@ -1,0 +1,67 @@
+"""One scraper at a time: a Redis lease with a fencing token.
+
+Any number of scraper workers may run (one per proxy, or inside the proxies); only the lease holder
+scrapes, so each vLLM replica is scraped once per interval however many gateways there are. The lease
+is taken and renewed, and the records written, by one Lua script that checks the holder atomically with
+the write: a former leader that was paused past its lease and wakes up finds another holder, and its
+write is refused. Each new holder gets a larger token (`INCR`), which `status` shows.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+# KEYS: lease, fence counter, settings, pod records...   ARGV: me, lease ms, record ttl ms, records...
+_SCRIPT = """
+local holder = redis.call('GET', KEYS[1])
+if not holder then
+  local token = redis.call('INCR', KEYS[2])
+  holder = ARGV[1] .. '#' .. token
+  redis.call('SET', KEYS[1], holder, 'PX', ARGV[2])
+end
+local mine = string.sub(holder, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. '#'
+local settings = redis.call('GET', KEYS[3])
+if not mine then
+  return {0, holder, settings}
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+for i = 4, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[i], 'PX', ARGV[3])
+end
+return {1, holder, settings}
+"""
+
+
+def lease_key(prefix: str) -> str:
+    return f"{{{prefix}}}:scraper:lease"
+
+
+def fence_key(prefix: str) -> str:
+    return f"{{{prefix}}}:scraper:fence"
+
+
+def worker_id() -> str:
+    """Unique per process and start: a restarted worker is a new holder with a new token."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    leader: bool
+    holder: str | None
+    """`worker id#token` of the lease holder."""
+    settings_raw: bytes | None
+
+
+async def lease_and_write(client, prefix: str, me: str, lease_ms: int, ttl_ms: int, settings_key: str,
+                          records: Sequence[tuple[str, bytes]] = ()) -> LeaseResult:
+    """Take or renew the lease and, only while holding it, write `records` ((key, json) pairs)."""
+    keys = [lease_key(prefix), fence_key(prefix), settings_key, *(key for key, _ in records)]
+    args = [me, lease_ms, ttl_ms, *(body for _, body in records)]
+    leader, holder, settings_raw = await client.eval(_SCRIPT, len(keys), *keys, *args)
+    holder = holder.decode() if isinstance(holder, bytes) else holder
+    return LeaseResult(bool(leader), holder, settings_raw)
