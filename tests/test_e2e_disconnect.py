@@ -14,9 +14,17 @@ import time
 import httpx
 import openai
 import pytest
-
-from procs import (MASTER_KEY, Proc, free_port, free_port_range, litellm_proxy, lora_affinity, redis_server, wait_port,
-                   write_config)
+from procs import (
+    MASTER_KEY,
+    Proc,
+    free_port,
+    free_port_range,
+    litellm_proxy,
+    lora_affinity,
+    redis_server,
+    wait_port,
+    write_config,
+)
 
 TRIES = 50
 

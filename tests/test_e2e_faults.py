@@ -11,8 +11,17 @@ from datetime import datetime
 import httpx
 import pytest
 import yaml
+from procs import (
+    MASTER_KEY,
+    Proc,
+    child_env,
+    free_port,
+    litellm_proxy,
+    lora_affinity,
+    redis_server,
+    wait_port,
+)
 
-from procs import MASTER_KEY, Proc, child_env, free_port, litellm_proxy, lora_affinity, redis_server, wait_port
 from lora_affinity_plugin.processes import proxy_config
 
 INTERVAL_MS = 200

@@ -10,8 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from procs import Proc, child_env, free_port, lora_affinity, redis_server, wait_port, write_config
+from procs import (
+    Proc,
+    child_env,
+    free_port,
+    lora_affinity,
+    redis_server,
+    wait_port,
+    write_config,
+)
 
 LEASE_MS = 400
 

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
-
 from fake_pods import BASE_MODEL
-from procs import MASTER_KEY, Proc, child_env, free_port, litellm_proxy, lora_affinity, redis_server, wait_port, write_config
+from procs import (
+    MASTER_KEY,
+    Proc,
+    child_env,
+    free_port,
+    litellm_proxy,
+    lora_affinity,
+    redis_server,
+    wait_port,
+    write_config,
+)
 
 SCRAPE_S = 0.1
 SETTLE_S = 0.5  # a few scrape + refresh intervals

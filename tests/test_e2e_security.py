@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 import yaml
-
 from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, wait_port
+
 from lora_affinity_plugin.processes import litellm_proxy, proxy_config
 
 PASSWORD, USER_PASSWORD, TOKEN = "adm1n-s3cret", "us3r-s3cret", "metr1cs-t0ken"

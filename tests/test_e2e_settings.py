@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis
 import yaml
-
 from procs import MASTER_KEY, Proc, child_env, free_port, redis_server, wait_port
+
 from lora_affinity_plugin.live_settings import LiveCopy, settings_key
 from lora_affinity_plugin.processes import proxy_config, start_litellm_proxy, wait_proxy
 from lora_affinity_plugin.settings import build_settings

@@ -5,7 +5,8 @@ import asyncio
 
 import fakeredis
 import httpx
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lora_affinity_plugin.scraper import MetricsPageError, Scraper, parse_metrics
 from lora_affinity_plugin.settings import build_settings

@@ -2,7 +2,13 @@
 
 import pytest
 
-from lora_affinity_plugin.settings import Settings, SettingsError, build_settings, redact_url, settings_from_config
+from lora_affinity_plugin.settings import (
+    Settings,
+    SettingsError,
+    build_settings,
+    redact_url,
+    settings_from_config,
+)
 
 
 def test_defaults_are_the_endpoint_pickers():

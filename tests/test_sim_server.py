@@ -7,9 +7,9 @@ import time
 import httpx
 import openai
 import pytest
+from procs import Proc, free_port_range, wait_port
 
 from lora_affinity_plugin.scraper import parse_metrics
-from procs import Proc, free_port_range, wait_port
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,12 @@ from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.scheduling import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
-from lora_affinity_plugin.strategy import LoraAffinityStrategy, ProxyPlugin, install, installed_strategy
+from lora_affinity_plugin.strategy import (
+    LoraAffinityStrategy,
+    ProxyPlugin,
+    install,
+    installed_strategy,
+)
 
 PODS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
 

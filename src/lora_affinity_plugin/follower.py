@@ -13,7 +13,13 @@ from typing import Callable
 
 from .episodes import Episode
 from .fleet import FleetView
-from .live_settings import LiveCopy, apply_live, live_values, notify_channel, settings_key
+from .live_settings import (
+    LiveCopy,
+    apply_live,
+    live_values,
+    notify_channel,
+    settings_key,
+)
 from .metrics import SETTINGS_APPLIED, SETTINGS_REJECTED, SETTINGS_VERSION, SNAPSHOT_AGE
 from .settings import Settings, SettingsError
 from .store import connect, decode_records, pod_key

@@ -21,7 +21,13 @@ from typing import Any, Iterable
 import redis
 import yaml
 
-from .settings import LIVE_SETTINGS, RESTART_ONLY, Settings, SettingsError, describe_validation_error
+from .settings import (
+    LIVE_SETTINGS,
+    RESTART_ONLY,
+    Settings,
+    SettingsError,
+    describe_validation_error,
+)
 
 AUDIT_MAXLEN = 1000
 

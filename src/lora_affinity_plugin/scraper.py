@@ -15,11 +15,11 @@ from typing import Sequence
 import httpx
 
 from .episodes import Episode
+from .lease import LeaseResult, lease_and_write, worker_id
 from .live_settings import LiveCopy, apply_live, settings_key
 from .metrics import SCRAPE_ERRORS, SCRAPE_SECONDS
 from .parsing import MetricsPageError, parse_metrics
 from .settings import Settings, SettingsError
-from .lease import LeaseResult, lease_and_write, worker_id
 from .store import PodRecord, connect, pod_key
 
 __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]

@@ -27,11 +27,11 @@ from litellm.types.router import CustomRoutingStrategyBase
 
 from .episodes import Episode
 from .fleet import FleetView
+from .follower import Follower
+from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
 from .scheduling import NoCapacity, RouteRequest, Shed, choose_pod
 from .settings import Settings, build_settings, load_config, settings_from_config
-from .follower import Follower
-from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
 
 logger = logging.getLogger("lora_affinity")
 
@@ -175,9 +175,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 return
-            self._refresher = loop.create_task(self._refresh_forever(), name="lora-affinity-refresh")
+            self._refresher = loop.create_task(self._follow_redis(), name="lora-affinity-refresh")
 
-    async def _refresh_forever(self) -> None:
+    async def _follow_redis(self) -> None:
         self.follower = Follower(self.base_settings, self.fleet, lambda: discover_pods(self.router.model_list),
                                  self.apply_settings)
         await self.follower.run()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="seed", help="one of: " + ", ".join(_scenario_names()))
     parser.add_argument("--strategies", help="comma-separated strategy names (fleet scenarios)")

@@ -21,8 +21,17 @@ import redis
 import yaml
 from tqdm import tqdm
 
-from ..processes import (MASTER_KEY, Proc, child_env, free_port, free_port_range, redis_server, start_litellm_proxy,
-                         wait_port, wait_proxy)
+from ..processes import (
+    MASTER_KEY,
+    Proc,
+    child_env,
+    free_port,
+    free_port_range,
+    redis_server,
+    start_litellm_proxy,
+    wait_port,
+    wait_proxy,
+)
 from ..sim.policies import GIE_V02
 from .loadgen import run_load
 from .results import Result, summarize

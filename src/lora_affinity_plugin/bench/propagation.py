@@ -19,7 +19,15 @@ import redis
 import yaml
 
 from .. import live_settings
-from ..processes import Proc, free_port, proxy_config, redis_server, start_litellm_proxy, wait_port, wait_proxy
+from ..processes import (
+    Proc,
+    free_port,
+    proxy_config,
+    redis_server,
+    start_litellm_proxy,
+    wait_port,
+    wait_proxy,
+)
 from ..settings import build_settings
 
 _VERSION = re.compile(r"^lora_affinity_settings_version (\S+)$", re.M)

@@ -20,7 +20,15 @@ from pathlib import Path
 import httpx
 import yaml
 
-from ..processes import MASTER_KEY, Proc, free_port, litellm_proxy, proxy_config, redis_server, wait_port
+from ..processes import (
+    MASTER_KEY,
+    Proc,
+    free_port,
+    litellm_proxy,
+    proxy_config,
+    redis_server,
+    wait_port,
+)
 
 
 def _rss_mb(proc: Proc) -> float:
