@@ -226,3 +226,14 @@ async def test_model_group_override_changes_only_that_group():
     assert await route(router, "batch-lora", metadata={"criticality": "sheddable"}) in PODS
     with pytest.raises(litellm.RateLimitError):
         await route(router, "sql-lora", metadata={"criticality": "sheddable"})
+
+
+async def test_a_retry_of_the_same_call_goes_to_another_pod():
+    router, strat, fleet = make()
+    fleet.update({p: record(p, running={"x"} if p == PODS[0] else ()) for p in PODS})
+    first = strat.pick("x", router.model_list, {"litellm_call_id": "call-1"})
+    retry = strat.pick("x", router.model_list, {"litellm_call_id": "call-1"})
+    other = strat.pick("x", router.model_list, {"litellm_call_id": "call-2"})
+    assert first["litellm_params"]["api_base"].startswith(PODS[0])
+    assert not retry["litellm_params"]["api_base"].startswith(PODS[0])  # the pod that just failed is avoided
+    assert other["litellm_params"]["api_base"].startswith(PODS[0])  # a new request still gets affinity

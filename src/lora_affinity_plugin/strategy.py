@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import time
+from collections import OrderedDict
 from typing import Any, Mapping
 
 import litellm
@@ -34,6 +35,7 @@ from .scheduling import NoCapacity, RouteRequest, Shed, choose_pod
 from .settings import Settings, build_settings, load_config, settings_from_config
 
 logger = logging.getLogger("lora_affinity")
+_TRIED_CALLS = 4096
 
 
 class LoraAffinityStrategy(CustomRoutingStrategyBase):
@@ -46,6 +48,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         """The file and environment; live values from Redis are applied on top."""
         self.settings = settings
         self._per_group: dict[str, Settings] = {}
+        self._tried: OrderedDict[str, set[str]] = OrderedDict()
+        """Pods already chosen per litellm_call_id (the same across LiteLLM's retries of one request)."""
         self.follower: Follower | None = None
         self.fleet = fleet or FleetView(settings)
         self.rng = rng or random.Random()
@@ -126,6 +130,10 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                 by_pod[pod] = deployment
         now = time.time()
         candidates = self.fleet.candidates(list(by_pod), now)
+        call_id = request_kwargs.get("litellm_call_id")
+        tried = self._tried.get(call_id) if call_id else None
+        if tried:  # a retry: LiteLLM offers the pod that just failed again; go elsewhere if we can
+            candidates = [c for c in candidates if c.key not in tried] or candidates
         if not candidates:
             self._fallback.fail("no fresh metrics for the healthy deployments of " + repr(model))
             FALLBACKS.labels("no_metrics").inc()
@@ -140,6 +148,11 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             logger.debug("%s -> %s (%s) among %s", adapter, decision.pod, decision.branch,
                          [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates])
         self.fleet.note_dispatch(decision.pod, adapter, now)
+        if call_id:
+            self._tried.setdefault(call_id, set()).add(decision.pod)
+            self._tried.move_to_end(call_id)
+            if len(self._tried) > _TRIED_CALLS:
+                self._tried.popitem(last=False)
         self.decisions += 1
         DECISIONS.labels(decision.branch).inc()
         return by_pod[decision.pod]
