@@ -2,7 +2,8 @@
 
     python tests/fake_pods.py 9001 9002 9003
 
-Each port is one pod. Tests script a pod's metrics with POST /_control/metrics and read which
+Each port is one pod. Tests script a pod's metrics with POST /_control/metrics, how it answers with
+POST /_control/behaviour ({"fail": n, "delay": s, "chunks": n, "chunk_delay": s}) and read which
 models it served with GET /_control/requests.
 """
 
@@ -42,7 +43,7 @@ def metrics_page(state: dict) -> str:
 
 
 def make_app(port: int) -> Starlette:
-    state: dict = {"metrics": {}, "requests": [], "raw": None}
+    state: dict = {"metrics": {}, "requests": [], "raw": None, "behaviour": {}}
 
     async def metrics(_: Request):
         if state["raw"] is not None:
@@ -53,6 +54,10 @@ def make_app(port: int) -> Starlette:
         body = await request.json()
         state["raw"] = body.pop("raw", None)
         state["metrics"] = body
+        return JSONResponse({"ok": True})
+
+    async def set_behaviour(request: Request):
+        state["behaviour"] = await request.json()
         return JSONResponse({"ok": True})
 
     async def requests(_: Request):
@@ -68,13 +73,18 @@ def make_app(port: int) -> Starlette:
         state["requests"].append(model)
         print(port, model, time.time(), flush=True)
         chat = request.url.path.endswith("/chat/completions")
+        behaviour = state["behaviour"]
+        if behaviour.get("fail", 0) > 0:
+            behaviour["fail"] -= 1
+            return JSONResponse({"error": {"message": "scripted failure", "type": "server_error"}}, status_code=500)
+        await asyncio.sleep(behaviour.get("delay", 0))
         if body.get("stream"):
             async def chunks():
-                for i in range(3):
+                for i in range(behaviour.get("chunks", 3)):
                     delta = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
                     obj = "chat.completion.chunk" if chat else "text_completion"
                     yield f"data: {json.dumps({'id': 'x', 'object': obj, 'model': model, 'choices': [{'index': 0, **delta, 'finish_reason': None}]})}\n\n"
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(behaviour.get("chunk_delay", 0.01))
                 yield "data: [DONE]\n\n"
             return StreamingResponse(chunks(), media_type="text/event-stream")
         choice = ({"message": {"role": "assistant", "content": f"served by {port}"}} if chat
@@ -94,6 +104,7 @@ def make_app(port: int) -> Starlette:
     return Starlette(routes=[
         Route("/metrics", metrics),
         Route("/_control/metrics", set_metrics, methods=["POST"]),
+        Route("/_control/behaviour", set_behaviour, methods=["POST"]),
         Route("/_control/requests", requests),
         Route("/_control/reset", reset, methods=["POST"]),
         Route("/v1/completions", completion, methods=["POST"]),

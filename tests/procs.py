@@ -8,6 +8,7 @@ from lora_affinity_plugin.processes import (  # noqa: F401
     free_port_range,
     litellm_proxy,
     lora_affinity,
+    proxy_config,
     redis_server,
     wait_port,
     write_config,

@@ -62,3 +62,59 @@ def test_server_reported_residency_wins():
     fleet = FleetView(S)
     fleet.update({"a": rec("a", 100.0, running={"x"}, loaded={"p", "q"})})
     assert fleet.candidates(["a"], 100.1)[0].resident_adapters == {"p", "q"}
+
+
+# --- in-flight requests: counted by call id, ended once, shared with peers -------------------------
+def test_an_ended_request_leaves_the_queue_before_the_next_scrape():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0)})
+    fleet.note_dispatch("a", "x", 100.1, call_id="c1")
+    fleet.note_dispatch("a", None, 100.1, call_id="c1")  # LiteLLM's deployment hook: the same call
+    assert fleet.candidates(["a"], 100.2)[0].waiting == 1 and fleet.inflight.counts() == {"a": 1}
+    assert fleet.end("c1") is not None and fleet.end("c1") is None  # ended exactly once
+    assert fleet.candidates(["a"], 100.2)[0].waiting == 0 and fleet.inflight.counts() == {}
+
+
+def test_a_retry_moves_the_count_to_the_new_pod():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 100.0)})
+    fleet.note_dispatch("a", "x", 100.1, call_id="c1")
+    fleet.note_dispatch("b", "x", 100.2, call_id="c1")
+    assert fleet.inflight.counts() == {"b": 1}
+    assert [c.waiting for c in fleet.candidates(["a", "b"], 100.3)] == [0, 1]
+    fleet.end("c1")
+    assert fleet.inflight.counts() == {} and len(fleet.inflight) == 0
+
+
+def test_a_request_covered_by_a_scrape_stays_in_flight_until_it_ends():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0)})
+    fleet.note_dispatch("a", "x", 100.1, call_id="c1")
+    fleet.update({"a": rec("a", 101.0, waiting=1)})
+    assert fleet.candidates(["a"], 101.1)[0].waiting == 1  # the scrape's count, not twice
+    assert fleet.inflight.counts() == {"a": 1}
+    fleet.note_dispatch("a", None, 101.2, call_id="c1")  # a late hook must not count it again
+    assert fleet.candidates(["a"], 101.2)[0].waiting == 1
+
+
+def test_the_sweeper_releases_requests_no_hook_ended():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0)})
+    fleet.note_dispatch("a", "x", 100.1, call_id="old")
+    fleet.note_dispatch("a", "x", 200.0, call_id="new")
+    assert fleet.sweep(started_before=150.0) == 1
+    assert fleet.inflight.counts() == {"a": 1} and fleet.inflight.swept == 1
+
+
+def test_peers_dispatches_since_the_scrape_count_as_waiting():
+    from lora_affinity_plugin.inflight import decode_shares, encode_share
+
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 100.0)})
+    share = encode_share({"a": 3}, {"a": [(99.0, "x"), (100.1, "y"), (100.2, None)]})
+    fleet.update_peers(decode_shares([share.encode(), None, b"not json"]))
+    a, b = fleet.candidates(["a", "b"], 100.3)
+    assert a.waiting == 2 and "y" in a.active_adapters and "x" not in a.active_adapters  # 99.0 was scraped
+    assert b.waiting == 0 and fleet.peer_counts == {"a": 3}
+    fleet.update({"a": rec("a", 101.0, waiting=2)})  # a newer scrape covers the peers' dispatches too
+    assert fleet.candidates(["a"], 101.1)[0].waiting == 2

@@ -1,18 +1,19 @@
-"""A proxy process's view of the fleet: the last records from Redis plus its own recent dispatches.
+"""A proxy process's view of the fleet: the last records from Redis plus the recent dispatches.
 
-Scraped metrics are always a little old. Requests this process sent after a pod's scrape are not in
-that pod's numbers yet, so they are added as waiting requests (with their adapters) until a newer
-scrape covers them. That keeps a burst of requests that all see one snapshot from herding onto the
-same "best" pod. Residency: an idle pod keeps the adapters it ran most recently (an LRU of
+Scraped metrics are always a little old. Requests sent after a pod's scrape, by this process or by
+its peers (shared through Redis, see `inflight.py`), are not in that pod's numbers yet, so they are
+added as waiting requests (with their adapters) until they end or a newer scrape covers them. That
+keeps a burst of requests that all see one snapshot from herding onto the same "best" pod. Residency: an idle pod keeps the adapters it ran most recently (an LRU of
 `max_lora` slots, like vLLM's GPU slots), unless the server reports them itself.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
+from .inflight import Dispatch, InFlight, PeerShare
 from .scheduling import Candidate
 from .settings import Settings
 from .store import PodRecord
@@ -25,15 +26,23 @@ class _PodState:
     record: PodRecord
     base: Candidate | None
     resident: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    pending: deque[tuple[float, str | None]] = field(default_factory=deque)
-    """Dispatches not yet covered by a scrape, oldest first."""
+    pending: dict[str, tuple[float, str | None]] = field(default_factory=dict)
+    """This process's dispatches not yet covered by a scrape nor ended, oldest first."""
+    peers: list[tuple[float, str | None]] = field(default_factory=list)
+    """Peers' unfinished dispatches not covered by a scrape when they shared them."""
+    covered_until: float = 0.0
     view: Candidate | None = None
-    """`base` plus `pending`, cached until either changes."""
+    """`base` plus `pending` and `peers`, cached until any changes."""
 
     def drop_covered(self, horizon: float, lag_s: float) -> None:
-        covered_until = max(horizon, self.record.scraped_at - lag_s)
-        while self.pending and self.pending[0][0] <= covered_until:
-            self.pending.popleft()
+        self.covered_until = max(horizon, self.record.scraped_at - lag_s)
+        while self.pending:
+            key = next(iter(self.pending))
+            if self.pending[key][0] > self.covered_until:
+                break
+            del self.pending[key]
+        if self.peers:
+            self.peers = [entry for entry in self.peers if entry[0] > self.covered_until]
         self.view = None
 
 
@@ -43,6 +52,9 @@ class FleetView:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._pods: dict[str, _PodState] = {}
+        self.inflight = InFlight()
+        self.peer_counts: dict[str, int] = {}
+        self._anonymous = 0
 
     # --- background side -------------------------------------------------------------------
     def update(self, records: Mapping[str, PodRecord]) -> None:
@@ -55,6 +67,19 @@ class FleetView:
             state.base = self._base_candidate(state) if record.metrics is not None else None
             state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
                                lag_s=self.settings.dispatch_lag_ms / 1000)
+
+    def update_peers(self, share: PeerShare) -> None:
+        """Replace what the peers sent; only their dispatches newer than a pod's scrape count."""
+        self.peer_counts = share.counts
+        for pod, state in self._pods.items():
+            recent = share.recent.get(pod, ())
+            if recent or state.peers:
+                state.peers = [entry for entry in recent if entry[0] > state.covered_until]
+                state.view = None
+
+    def recent_dispatches(self) -> dict[str, list[tuple[float, str | None]]]:
+        """This process's share for its peers: unfinished dispatches no scrape has covered yet."""
+        return {pod: list(state.pending.values()) for pod, state in self._pods.items() if state.pending}
 
     def _base_candidate(self, state: _PodState) -> Candidate:
         metrics = state.record.metrics
@@ -95,14 +120,44 @@ class FleetView:
         metrics = state.record.metrics if state else None
         return metrics.model_names if metrics else frozenset()
 
-    def note_dispatch(self, pod: str, adapter: str | None, now: float) -> None:
+    def note_dispatch(self, pod: str, adapter: str | None, now: float, call_id: str | None = None) -> None:
+        """A request goes to `pod`. With a call id it stays counted until `end(call_id)` (or a sweep);
+        a second note for the same call (LiteLLM's deployment hook, or a retry) moves or keeps it."""
+        if call_id is not None:
+            current = self.inflight.get(call_id)
+            if current is not None and current.pod == pod:
+                return
+            moved_from = self.inflight.begin(call_id, pod, adapter, now)
+            if moved_from is not None:
+                self._forget(moved_from, call_id)
+        else:
+            self._anonymous += 1
+            call_id = f"#{self._anonymous}"
         state = self._pods.get(pod)
         if state is None or not self.settings.count_dispatches:
             return
-        state.pending.append((now, adapter))
+        state.pending[call_id] = (now, adapter)
         state.view = None
         if adapter is not None:
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
+
+    def end(self, call_id: str) -> Dispatch | None:
+        """The request ended (any way); it leaves the pod's queue now rather than at the next scrape."""
+        dispatch = self.inflight.end(call_id)
+        if dispatch is not None:
+            self._forget(dispatch, call_id)
+        return dispatch
+
+    def sweep(self, started_before: float) -> int:
+        swept = self.inflight.sweep(started_before)
+        for call_id, dispatch in swept:
+            self._forget(dispatch, call_id)
+        return len(swept)
+
+    def _forget(self, dispatch: Dispatch, call_id: str) -> None:
+        state = self._pods.get(dispatch.pod)
+        if state is not None and state.pending.pop(call_id, None) is not None:
+            state.view = None
 
     def candidates(self, pods: Sequence[str], now: float) -> list[Candidate]:
         """Pods with metrics, their not-yet-scraped dispatches added.
@@ -130,11 +185,12 @@ class FleetView:
     def _with_pending(state: _PodState) -> Candidate:
         base = state.base
         assert base is not None
-        if state.pending:
-            adapters = {a for _, a in state.pending if a is not None}
+        if state.pending or state.peers:
+            sent = [*state.pending.values(), *state.peers]
+            adapters = {a for _, a in sent if a is not None}
             state.view = replace(
                 base,
-                waiting=base.waiting + len(state.pending),
+                waiting=base.waiting + len(sent),
                 active_adapters=base.active_adapters | adapters if adapters else base.active_adapters,
             )
         else:

@@ -1,18 +1,21 @@
 """Keeps one proxy process current: pod records into its FleetView, and the live settings.
 
-Every `scrape_interval_ms` one MGET reads the settings key and every pod's record together; a pub/sub
-notice of a new settings version wakes it early. A lost notice or a reconnect therefore still
-converges within one interval, and no request ever waits on Redis.
+Every `scrape_interval_ms` one Lua call writes this process's in-flight table and reads the settings
+key, every pod's record and the peers' in-flight tables together; a pub/sub notice of a new settings
+version wakes it early. A lost notice or a reconnect therefore still converges within one interval,
+and no request ever waits on Redis. The same loop sweeps in-flight entries no hook released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 from .episodes import Episode
 from .fleet import FleetView
+from .inflight import REFRESH_SCRIPT, decode_shares, encode_share, inflight_key, members_key, process_id
 from .live_settings import (
     LiveCopy,
     apply_live,
@@ -20,7 +23,7 @@ from .live_settings import (
     notify_channel,
     settings_key,
 )
-from .metrics import SETTINGS_APPLIED, SETTINGS_REJECTED, SETTINGS_VERSION, SNAPSHOT_AGE
+from .metrics import INFLIGHT, INFLIGHT_SWEPT, SETTINGS_APPLIED, SETTINGS_REJECTED, SETTINGS_VERSION, SNAPSHOT_AGE
 from .settings import Settings, SettingsError
 from .store import connect, decode_records, pod_key
 
@@ -38,6 +41,10 @@ class Follower:
         self.applied_version = 0
         self._last_raw: bytes | None = None
         self._wake = asyncio.Event()
+        self.process = process_id()
+        self.peers: list[str] = []
+        self.pods_seen: set[str] = set()
+        """Other processes sharing in-flight tables, as of the last refresh."""
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
 
     async def run(self) -> None:
@@ -65,10 +72,18 @@ class Follower:
             self._redis_down.fail(type(exc).__name__)
 
     async def refresh(self, client) -> None:
+        self._sweep()
+        prefix = self.base.key_prefix
         pods = self._pods()
-        keys = [settings_key(self.base.key_prefix), *(pod_key(self.base, p) for p in pods)]
+        sharing = self.settings.share_inflight
+        peers = self.peers if sharing else []
+        reads = [settings_key(prefix), *(pod_key(self.base, p) for p in pods),
+                 *(inflight_key(prefix, peer) for peer in peers)]
+        table = encode_share(self.fleet.inflight.counts(), self.fleet.recent_dispatches()) if sharing else ""
+        ttl_ms = max(1_000, 5 * self.settings.scrape_interval_ms)
         try:
-            raws = await client.mget(keys)
+            members, raws = await client.eval(REFRESH_SCRIPT, 2 + len(reads), members_key(prefix),
+                                              inflight_key(prefix, self.process), *reads, self.process, table, ttl_ms)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -77,10 +92,24 @@ class Follower:
         self._redis_down.recover()
         if raws[0] is not None:
             self._follow_settings(raws[0])
-        records = decode_records(pods, raws[1:])
+        records = decode_records(pods, raws[1:1 + len(pods)])
         self.fleet.update(records)
+        self.fleet.update_peers(decode_shares(raws[1 + len(pods):]))
+        own = self.process.encode()
+        self.peers = [m.decode() for m in members if m != own] if sharing else []
         if records:
             SNAPSHOT_AGE.set(max(r.age_s() for r in records.values()))
+
+    def _sweep(self) -> None:
+        swept = self.fleet.sweep(time.time() - self.settings.inflight_timeout_ms / 1000)
+        if swept:
+            INFLIGHT_SWEPT.inc(swept)
+            logger.warning("released %d in-flight request(s) that no LiteLLM hook ended within %d ms",
+                           swept, self.settings.inflight_timeout_ms)
+        counts = self.fleet.inflight.counts()
+        for pod in self.pods_seen | set(counts):
+            INFLIGHT.labels(pod).set(counts.get(pod, 0))
+        self.pods_seen = set(counts)
 
     def _follow_settings(self, raw: bytes) -> None:
         if raw == self._last_raw:

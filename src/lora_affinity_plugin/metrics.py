@@ -20,3 +20,5 @@ SETTINGS_APPLIED = Counter("lora_affinity_settings_changes_applied_total", "Live
 SETTINGS_REJECTED = Counter("lora_affinity_settings_rejected_total", "Live settings versions refused as invalid")
 SCRAPE_SECONDS = Histogram("lora_affinity_scrape_duration_seconds", "One scrape cycle over every pod")
 SCRAPE_ERRORS = Counter("lora_affinity_scrape_errors_total", "Pages that could not be read", ["pod"])
+INFLIGHT = Gauge("lora_affinity_inflight_requests", "Requests this process sent to a pod that have not ended", ["pod"])
+INFLIGHT_SWEPT = Counter("lora_affinity_inflight_swept_total", "In-flight entries released by the sweeper (no hook ended them)")

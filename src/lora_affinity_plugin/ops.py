@@ -19,6 +19,7 @@ import redis
 
 from . import live_settings
 from .fleet import FleetView
+from .inflight import read_shared
 from .lease import lease_key
 from .pods import discover_pods
 from .scheduling import RouteRequest, SchedulingError, choose_pod
@@ -152,12 +153,15 @@ def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: f
     return rows
 
 
-def _status_text(rows: list[dict], version: int, settings: Settings, leader: str | None) -> str:
-    lines = [f"settings version {version}; Redis {settings.redacted_redis_url()}; scraper leader: {leader or 'none'}",
-             f"{'pod':<28}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'KV %':>6}{'max':>5}  running / waiting adapters"]
+def _status_text(rows: list[dict], version: int, settings: Settings, leader: str | None, proxies: int) -> str:
+    lines = [f"settings version {version}; Redis {settings.redacted_redis_url()}; scraper leader: {leader or 'none'}; "
+             f"proxies sharing in-flight counts: {proxies}",
+             f"{'pod':<28}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'sent':>5}{'KV %':>6}{'max':>5}  "
+             "running / waiting adapters"]
     for r in rows:
         if "waiting" in r:
             lines.append(f"{r['pod']:<28}{r['state']:<7}{r['age_s']:>7.2f}{r['waiting']:>6}{r['running']:>5}"
+                         f"{r['inflight']:>5}"
                          f"{r['kv_pct']:>6}{str(r['max_lora']):>5}  {','.join(r['running_adapters']) or '-'} / "
                          f"{','.join(r['waiting_adapters']) or '-'}")
         else:
@@ -172,18 +176,21 @@ def run_status(args: argparse.Namespace) -> int:
         try:
             copy = live_settings.read(client, settings.key_prefix)
             rows = status_rows(settings, _records(client, settings, pods), time.time())
+            proxies, inflight = read_shared(client, settings.key_prefix)
         except redis.RedisError as exc:
             print(f"error: Redis at {settings.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
             return 4
+        for row in rows:
+            row["inflight"] = inflight.get(row["pod"], 0)
         version = copy.version if copy else 0
         holder = client.get(lease_key(settings.key_prefix))
         leader = holder.decode() if holder else None
-        text = _status_text(rows, version, settings, leader)
+        text = _status_text(rows, version, settings, leader, proxies)
         if args.watch:
             print("\033[2J\033[H" + text, flush=True)
             time.sleep(args.watch)
             continue
-        _print(args, {"settings_version": version, "leader": leader, "pods": rows}, text)
+        _print(args, {"settings_version": version, "leader": leader, "proxies_sharing": proxies, "pods": rows}, text)
         return 0
 
 

@@ -83,6 +83,10 @@ class Settings(BaseModel):
 
     count_dispatches: bool = True
     """Add requests sent since a pod's last scrape to its queue (stops herding on one snapshot)."""
+    share_inflight: bool = True
+    """Share each process's unfinished requests through Redis, so several proxies do not herd."""
+    inflight_timeout_ms: int = Field(600_000, ge=1_000)
+    """A request no ending hook released after this long is released by the sweeper (a leak)."""
     remember_residency: bool = True
     """Keep adapters an idle pod ran recently as resident (activity metrics forget them)."""
     residency_memory: int = Field(2, ge=1, le=64)

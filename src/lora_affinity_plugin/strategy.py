@@ -18,6 +18,7 @@ import fnmatch
 import logging
 import os
 import random
+import sys
 import time
 from collections import OrderedDict
 from typing import Any, Mapping
@@ -58,6 +59,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self._refresher: asyncio.Task | None = None
         self.decisions = 0
         self.fallbacks = 0
+        self.hooks_end_calls = False
+        """True under `ProxyPlugin`, whose LiteLLM hooks end each call: then decisions count by call id."""
 
     # --- LiteLLM's interface -------------------------------------------------------------------
     async def async_get_available_deployment(
@@ -147,7 +150,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s -> %s (%s) among %s", adapter, decision.pod, decision.branch,
                          [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates])
-        self.fleet.note_dispatch(decision.pod, adapter, now)
+        self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None)
         if call_id:
             self._tried.setdefault(call_id, set()).add(decision.pod)
             self._tried.move_to_end(call_id)
@@ -156,6 +159,15 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.decisions += 1
         DECISIONS.labels(decision.branch).inc()
         return by_pod[decision.pod]
+
+    def pod_of(self, call_kwargs: Mapping[str, Any]) -> str | None:
+        """The pod a call's kwargs (as LiteLLM's deployment hooks see them) are sent to."""
+        info = call_kwargs.get("model_info") or {}
+        pod = self._index.pods_by_id.get(info.get("id")) if isinstance(info, Mapping) else None
+        if pod is None:
+            params = call_kwargs.get("litellm_params") or {"api_base": call_kwargs.get("api_base")}
+            pod = deployment_pod({"litellm_params": params})
+        return pod
 
     def _group_settings(self, model: str) -> Settings:
         if model not in self.settings.model_group_overrides:
@@ -267,6 +279,10 @@ class ProxyPlugin(CustomLogger):
     The proxy offers no start-up hook that hands a callback the router, and drops a custom strategy
     when its settings change or the router is rebuilt: so a watcher re-installs it, and every
     request's pre-call hook checks once more.
+
+    It also keeps the in-flight counts: up when LiteLLM sends a call to a deployment, down once from
+    whichever ending hook fires first (which fire in which case: docs/litellm-integration-notes). The
+    proxy only calls hooks defined on the registered class itself, so they are all defined here.
     """
 
     WATCH_INTERVAL_S = 0.2
@@ -313,6 +329,7 @@ class ProxyPlugin(CustomLogger):
             if self._strategy is not None:
                 self._strategy.stop()  # the router was rebuilt or reset: one refresher at a time
             strategy = self._strategy = install(router, self.settings(), fleet=self._fleet)
+            strategy.hooks_end_calls = True
             logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
                         self.settings().redacted_redis_url())
         return strategy
@@ -331,6 +348,51 @@ class ProxyPlugin(CustomLogger):
         except Exception:
             logger.exception("lora-affinity could not install its routing strategy")
         return data
+
+    # --- in-flight accounting: one count per call id, ended exactly once ----------------------------
+    async def async_pre_call_deployment_hook(self, kwargs, call_type):
+        try:
+            call_id, strategy = kwargs.get("litellm_call_id"), self._strategy
+            if call_id and strategy is not None:
+                pod = strategy.pod_of(kwargs)
+                if pod is not None:
+                    strategy.fleet.note_dispatch(pod, None, time.time(), call_id)
+        except Exception:
+            logger.exception("lora-affinity could not count a request in flight")
+        return None
+
+    async def async_post_call_success_deployment_hook(self, request_data, response, call_type):
+        if not request_data.get("stream"):  # a stream has only started here; its iterator ends it
+            self._end_call(request_data)
+        return None
+
+    async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
+        self._end_call(kwargs)
+
+    async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
+        self._end_call(kwargs)
+
+    async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
+                                           traceback_str=None):
+        self._end_call(request_data)
+        return None
+
+    async def async_post_call_streaming_iterator_hook(self, user_api_key_dict, response, request_data):
+        try:
+            async for chunk in response:
+                yield chunk
+        finally:  # end of stream, upstream error or the client leaving (CancelledError/GeneratorExit)
+            self._end_call(request_data)
+
+    def _end_call(self, data: Mapping[str, Any] | None) -> None:
+        try:
+            call_id = data.get("litellm_call_id") if data else None
+            if call_id and self._fleet is not None:
+                ended = self._fleet.end(call_id)
+                if ended is not None and logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("call %s ended on %s (%s)", call_id, ended.pod, sys._getframe(1).f_code.co_name)
+        except Exception:
+            logger.exception("lora-affinity could not end a request in flight")
 
 
 proxy_plugin = ProxyPlugin()

@@ -1,0 +1,153 @@
+"""Requests in flight: counted per process, shared between proxy replicas through Redis.
+
+Each proxy process counts the requests it sent to each pod that have not ended, keyed by LiteLLM's
+call id: counted up when a pod is chosen (or when LiteLLM's pre-call deployment hook fires), ended
+exactly once by whichever ending hook comes first (success, end of stream, failure, disconnect), moved
+to the new pod when a retry goes elsewhere, and swept after `inflight_timeout_ms` if no hook ever came.
+
+Sharing: every refresh a process writes its table to `{prefix}:inflight:<process>` (expiring after a
+few intervals, so a dead process's counts vanish) and reads its peers' tables in the same Lua call that
+reads the pod records and the settings: one round trip per interval. The rules add the requests any
+process sent to a pod since that pod's last scrape, so replicas reading one snapshot stop herding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+_RECENT_PER_POD = 512
+"""At most this many not-yet-scraped dispatches per pod are shared (the count is always exact)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    pod: str
+    adapter: str | None
+    at: float
+    """Unix time it was sent (seconds)."""
+
+
+class InFlight:
+    """This process's unfinished requests by call id; pure bookkeeping, no I/O."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, Dispatch] = {}
+        self._counts: dict[str, int] = {}
+        self.swept = 0
+
+    def get(self, call_id: str) -> Dispatch | None:
+        return self._calls.get(call_id)
+
+    def begin(self, call_id: str, pod: str, adapter: str | None, at: float) -> Dispatch | None:
+        """Count `call_id` on `pod`; returns the dispatch it replaces (a retry of the same call)."""
+        previous = self._calls.get(call_id)
+        if previous is not None:
+            self._drop(call_id, previous)
+        self._calls[call_id] = Dispatch(pod, adapter, at)
+        self._counts[pod] = self._counts.get(pod, 0) + 1
+        return previous
+
+    def end(self, call_id: str) -> Dispatch | None:
+        """Release `call_id`; later calls for the same id are no-ops (hooks overlap)."""
+        dispatch = self._calls.get(call_id)
+        if dispatch is not None:
+            self._drop(call_id, dispatch)
+        return dispatch
+
+    def sweep(self, started_before: float) -> list[tuple[str, Dispatch]]:
+        """Release entries no ending hook released in time (a leak in the host, or a lost hook)."""
+        stale = [(call_id, d) for call_id, d in self._calls.items() if d.at < started_before]
+        for call_id, dispatch in stale:
+            self._drop(call_id, dispatch)
+        self.swept += len(stale)
+        return stale
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def _drop(self, call_id: str, dispatch: Dispatch) -> None:
+        del self._calls[call_id]
+        left = self._counts[dispatch.pod] - 1
+        if left:
+            self._counts[dispatch.pod] = left
+        else:
+            del self._counts[dispatch.pod]
+
+
+def process_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def encode_share(counts: Mapping[str, int], recent: Mapping[str, Sequence[tuple[float, str | None]]]) -> str:
+    """What peers need: exact counts, and each pod's not-yet-scraped dispatches (newest kept)."""
+    pods: dict[str, Any] = {}
+    for pod in set(counts) | set(recent):
+        entries = list(recent.get(pod, ()))[-_RECENT_PER_POD:]
+        pods[pod] = {"n": counts.get(pod, 0), "recent": [[round(at, 4), adapter] for at, adapter in entries]}
+    return json.dumps({"pods": pods}, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerShare:
+    counts: dict[str, int]
+    recent: dict[str, list[tuple[float, str | None]]]
+
+
+def decode_shares(raws: Iterable[bytes | None]) -> PeerShare:
+    """Peers' tables summed; an unreadable one is skipped (it expires by itself)."""
+    counts: dict[str, int] = {}
+    recent: dict[str, list[tuple[float, str | None]]] = {}
+    for raw in raws:
+        if raw is None:
+            continue
+        try:
+            pods = json.loads(raw)["pods"]
+            for pod, entry in pods.items():
+                counts[pod] = counts.get(pod, 0) + int(entry["n"])
+                if entry["recent"]:
+                    recent.setdefault(pod, []).extend((float(at), adapter) for at, adapter in entry["recent"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+    return PeerShare(counts, recent)
+
+
+def inflight_key(prefix: str, process: str) -> str:
+    return f"{{{prefix}}}:inflight:{process}"
+
+
+def members_key(prefix: str) -> str:
+    return f"{{{prefix}}}:inflight:members"
+
+
+# One round trip per refresh. KEYS: members zset, own table, then keys to read (settings, pod records,
+# peers' tables, all declared so a Cluster routes the call by their shared hash tag).
+# ARGV: process id, own table ('' = not sharing), table ttl ms.
+REFRESH_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[2] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local values = {}
+for i = 3, #KEYS do
+  values[#values + 1] = redis.call('GET', KEYS[i])
+end
+return {redis.call('ZRANGE', KEYS[1], 0, -1), values}
+"""
+
+
+def read_shared(client: Any, prefix: str) -> tuple[int, dict[str, int]]:
+    """(processes sharing, in-flight requests per pod) as peers see them; a sync client (ops, tests)."""
+    members = client.zrange(members_key(prefix), 0, -1)
+    raws = [client.get(inflight_key(prefix, m.decode())) for m in members]
+    return sum(raw is not None for raw in raws), decode_shares(raws).counts

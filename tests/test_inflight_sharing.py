@@ -1,0 +1,79 @@
+"""Two proxy processes share their in-flight tables through Redis (fakeredis runs the same Lua)."""
+
+import time
+
+import fakeredis
+import pytest
+
+from lora_affinity_plugin.fleet import FleetView
+from lora_affinity_plugin.follower import Follower
+from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import PodRecord, pod_key
+
+S = build_settings({"scrape_interval_ms": 100})
+
+
+def follower(settings=S) -> Follower:
+    return Follower(settings, FleetView(settings), lambda: ["a", "b"], lambda s: None)
+
+
+async def publish_records(client, at):
+    for pod in ("a", "b"):
+        record = PodRecord(pod, at, PodMetrics(num_requests_waiting=0, num_requests_running=0))
+        await client.set(pod_key(S, pod), record.to_json())
+
+
+async def test_a_peers_requests_since_the_scrape_reach_the_other_proxy_and_leave_when_they_end():
+    client = fakeredis.aioredis.FakeRedis()
+    now = time.time()
+    await publish_records(client, now)
+    one, two = follower(), follower()
+    for f in (one, two):
+        await f.refresh(client)
+    one.fleet.note_dispatch("a", "x", now + 0.01, call_id="c1")
+    one.fleet.note_dispatch("a", "x", now + 0.02, call_id="c2")
+    await one.refresh(client)  # publishes
+    await two.refresh(client)  # learns its peer (members list) ...
+    await two.refresh(client)  # ... and reads its table
+    a, b = two.fleet.candidates(["a", "b"], now + 0.05)
+    assert (a.waiting, b.waiting) == (2, 0) and "x" in a.active_adapters
+    assert two.fleet.peer_counts == {"a": 2}
+    one.fleet.end("c1")
+    one.fleet.end("c2")
+    await one.refresh(client)
+    await two.refresh(client)
+    assert [c.waiting for c in two.fleet.candidates(["a", "b"], now + 0.05)] == [0, 0]
+    assert two.fleet.peer_counts == {}
+
+
+async def test_a_dead_process_counts_vanish_when_its_key_expires():
+    client = fakeredis.aioredis.FakeRedis()
+    now = time.time()
+    await publish_records(client, now)
+    dead, alive = follower(), follower()
+    dead.fleet.update({})
+    await dead.refresh(client)
+    dead.fleet.note_dispatch("a", "x", now + 0.01, call_id="c1")
+    await dead.refresh(client)
+    await alive.refresh(client)
+    await alive.refresh(client)
+    assert alive.fleet.peer_counts == {"a": 1}
+    await client.delete(f"{{{S.key_prefix}}}:inflight:{dead.process}")  # what PX expiry does
+    await alive.refresh(client)
+    assert alive.fleet.peer_counts == {}
+
+
+@pytest.mark.parametrize("share", [True, False])
+async def test_sharing_can_be_switched_off(share):
+    settings = build_settings({"scrape_interval_ms": 100, "share_inflight": share})
+    client = fakeredis.aioredis.FakeRedis()
+    now = time.time()
+    await publish_records(client, now)
+    one, two = follower(settings), follower(settings)
+    await one.refresh(client)
+    one.fleet.note_dispatch("a", "x", now + 0.01, call_id="c1")
+    for _ in range(2):
+        await one.refresh(client)
+        await two.refresh(client)
+    assert two.fleet.candidates(["a"], now + 0.05)[0].waiting == (1 if share else 0)
