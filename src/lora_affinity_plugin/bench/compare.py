@@ -16,11 +16,16 @@ from .scenarios import get_scenario, with_overrides
 
 LIVE_DEFAULT = ["per-connection-random", "simple-shuffle", "least-busy", "latency-based-routing",
                 "usage-based-routing-v2", "gie-v0.2", "lora-affinity"]
+GATEWAYS_DEFAULT = ["simple-shuffle", "least-busy", "gie-v0.2", "lora-affinity-unshared", "lora-affinity"]
+"""With --gateways N: the plugin with and without shared in-flight counts, and the others, all at N."""
+GATEWAY_GOAL_LOSS = 0.05
 
 
 def _strategies(args: argparse.Namespace) -> list[str]:
     if args.strategies:
         return [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.gateways > 1:
+        return GATEWAYS_DEFAULT
     return list(STRATEGY_NAMES) + ["static-partition"] if args.mode == "fast" else LIVE_DEFAULT
 
 
@@ -30,13 +35,14 @@ def run_compare(args: argparse.Namespace) -> int:
     print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, "
           f"max_loras {scenario.max_loras}, {scenario.connections} connections, deadline {scenario.deadline_s:.0f} s "
           f"(simulated); mode {args.mode}; gateways {args.gateways}")
-    if args.mode == "fast":
-        results = _run_fast(scenario, strategies, args)
-    else:
-        from .live import run_live
-
-        results = run_live(scenario, strategies, args)
+    results = _run(scenario, strategies, args, args.gateways)
+    if args.gateways > 1 and "lora-affinity" in strategies:
+        (one,) = _run(scenario, ["lora-affinity"], args, 1)
+        one.strategy = "lora-affinity, 1 gateway"
+        results.append(one)
     print(format_table(results))
+    if args.gateways > 1 and "lora-affinity" in strategies:
+        print(gateways_summary(results, args.gateways))
     if args.json_path:
         write_json(results, args.json_path)
         print(f"results written to {args.json_path}")
@@ -46,7 +52,40 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_fast(scenario, strategies: list[str], args: argparse.Namespace) -> list[Result]:
+def gateways_summary(results: list[Result], gateways: int) -> str:
+    """Completed requests at N gateways against 1, with and without shared in-flight counts."""
+    by_name = {r.strategy: r for r in results}
+    one = by_name["lora-affinity, 1 gateway"]
+    lines = [f"{gateways} gateways vs 1 (lora-affinity, completed requests; goal: lose <= {GATEWAY_GOAL_LOSS:.0%}):"]
+    for name, label in (("lora-affinity", "shared in-flight counts"), ("lora-affinity-unshared", "not shared")):
+        r = by_name.get(name)
+        if r is None or not one.completed:
+            continue
+        ratio = r.completed / one.completed
+        verdict = "met" if 1 - ratio <= GATEWAY_GOAL_LOSS else "missed"
+        lines.append(f"  {label:<24} {r.completed} / {one.completed} = {ratio:.3f} (loss {1 - ratio:.1%}, {verdict}); "
+                     f"per-replica served {_cv(r.per_replica):.3f} CV")
+    lines.append(f"  1 gateway                {one.completed}; per-replica served {_cv(one.per_replica):.3f} CV")
+    return "\n".join(lines)
+
+
+def _cv(counts: list[int]) -> float:
+    """Coefficient of variation of per-replica load: 0 is perfectly even."""
+    if not counts or not sum(counts):
+        return 0.0
+    mean = sum(counts) / len(counts)
+    return (sum((c - mean) ** 2 for c in counts) / len(counts)) ** 0.5 / mean
+
+
+def _run(scenario, strategies: list[str], args: argparse.Namespace, gateways: int) -> list[Result]:
+    if args.mode == "fast":
+        return _run_fast(scenario, strategies, args, gateways)
+    from .live import run_live
+
+    return run_live(scenario, strategies, args, gateways)
+
+
+def _run_fast(scenario, strategies: list[str], args: argparse.Namespace, gateways: int) -> list[Result]:
     from ..sim.fast import run_fast
 
     seeds = range(args.seed, args.seed + max(1, args.seeds))
@@ -55,7 +94,7 @@ def _run_fast(scenario, strategies: list[str], args: argparse.Namespace) -> list
         for strategy in strategies:
             runs = []
             for seed in seeds:
-                runs.append(run_fast(scenario, strategy, seed=seed, gateways=args.gateways))
+                runs.append(run_fast(scenario, strategy, seed=seed, gateways=gateways))
                 bar.update()
             results.append(median_result(runs))
     return results

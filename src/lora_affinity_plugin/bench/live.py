@@ -32,13 +32,13 @@ from ..processes import (
     wait_port,
     wait_proxy,
 )
-from ..sim.policies import GIE_V02
+from ..sim.policies import GIE_V02, UNSHARED
 from .loadgen import run_load
 from .results import Result, summarize
 from .scenarios import Scenario
 
 LITELLM_BUILTINS = {"simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2"}
-PLUGIN_RULES = {"lora-affinity": {}, "gie-v0.2": GIE_V02}
+PLUGIN_RULES = {"lora-affinity": {}, "lora-affinity-unshared": UNSHARED, "gie-v0.2": GIE_V02}
 LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random"}
 DEFAULT_SPEED = 10.0
 
@@ -170,7 +170,7 @@ def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int,
     return result
 
 
-def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace) -> list[Result]:
+def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace, gateways: int) -> list[Result]:
     speed = args.speed or DEFAULT_SPEED
     workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-bench-"))
     redis_port = free_port()
@@ -182,8 +182,7 @@ def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace
     try:
         with tqdm(total=scenario.requests * len(strategies), unit="req", leave=False) as bar:
             for strategy in strategies:
-                results.append(run_strategy(scenario, strategy, speed, args.gateways, args.seed, redis_port, workdir,
-                                            bar))
+                results.append(run_strategy(scenario, strategy, speed, gateways, args.seed, redis_port, workdir, bar))
     finally:
         store.stop()
     return results

@@ -15,12 +15,19 @@ from dataclasses import dataclass
 
 from ..bench.results import RequestOutcome, Result, summarize
 from ..bench.scenarios import Scenario
+from ..inflight import PeerShare
 from .engine import EngineConfig, ReplicaEngine, Sequence
 from .policies import make_policy
 
 SCRAPE_INTERVAL_S = 0.2
 REFRESH_LAG_S = 0.1
 """A gateway sees a scrape on its next refresh: half an interval later on average."""
+
+
+SHARE_INTERVAL_S = 0.2
+REFRESH_LAG_PEERS_S = 0.1
+SHARE_OFFSET_S = 0.05
+"""Gateways' refreshes are not aligned with the scraper's cycle."""
 
 
 @dataclass
@@ -99,7 +106,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 continue  # timed out while waiting for a connection
             connection = free_connections.popleft()
             gateway = policies[connection % gateways]
-            replica = gateway.route(req.adapter, connection, now)
+            replica = gateway.route(req.adapter, connection, now, str(req.index))
             engine = engines[replica]
             seq = Sequence(str(req.index), req.adapter, scenario.prompt_tokens,
                            engine.output_length(scenario.max_tokens), arrival=req.arrival)
@@ -113,6 +120,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         entry = seqs.pop(index, None)
         if entry is not None:
             free_connections.append(entry[2])
+            policies[entry[2] % gateways].ended(str(index))
 
     # The gateways have been running before the load starts: they already see one scrape.
     push(0.0, "visible", ([e.snapshot() for e in engines], [frozenset(e.gpu) for e in engines], 0.0))
@@ -120,6 +128,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         push(req.arrival, "arrive", req)
         push(req.arrival + scenario.deadline_s, "timeout", req.index)
     push(0.0, "scrape")
+    if gateways > 1:
+        push(SHARE_OFFSET_S, "share")
 
     while heap and len(outcomes) < len(requests):
         now, _, kind, data = heapq.heappop(heap)
@@ -157,6 +167,15 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             gpu = [frozenset(e.gpu) for e in engines]
             push(now + REFRESH_LAG_S, "visible", (snapshots, gpu, now))
             push(now + SCRAPE_INTERVAL_S, "scrape")
+        elif kind == "share":  # each gateway's refresh writes its in-flight table and reads its peers'
+            tables = [policy.share() for policy in policies]
+            push(now + REFRESH_LAG_PEERS_S, "peers", tables)
+            push(now + SHARE_INTERVAL_S, "share")
+        elif kind == "peers":
+            for g, policy in enumerate(policies):
+                others = [t for i, t in enumerate(data) if i != g and t is not None]
+                if others:
+                    policy.peers(_merge(others))
         elif kind == "visible":
             snapshots, gpu, scraped_at = data
             for policy in policies:
@@ -164,3 +183,14 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
 
     ordered = [outcomes[r.index] for r in requests]
     return summarize(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
+
+
+def _merge(tables: list[PeerShare]) -> PeerShare:
+    counts: dict[str, int] = {}
+    recent: dict[str, list] = {}
+    for table in tables:
+        for pod, n in table.counts.items():
+            counts[pod] = counts.get(pod, 0) + n
+        for pod, entries in table.recent.items():
+            recent.setdefault(pod, []).extend(entries)
+    return PeerShare(counts, recent)

@@ -11,6 +11,7 @@ import random
 from collections import defaultdict, deque
 
 from ..fleet import FleetView
+from ..inflight import PeerShare
 from ..scheduling import NoCapacity, PodMetrics, RouteRequest, Shed, choose_pod
 from ..settings import Settings, build_settings
 from ..store import PodRecord
@@ -26,10 +27,20 @@ class Policy:
         self.replicas = replicas
         self.rng = rng
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         raise NotImplementedError
 
     def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
+        pass
+
+    def ended(self, call_id: str) -> None:
+        """A request this gateway routed has ended (finished or timed out)."""
+
+    def share(self) -> PeerShare | None:
+        """What this gateway shares with its peers through Redis, if anything."""
+        return None
+
+    def peers(self, share: PeerShare) -> None:
         pass
 
     def scraped(self, snapshots: list[PodMetrics], gpu: list[frozenset[str]], at: float) -> None:
@@ -46,7 +57,7 @@ class PerConnectionRandom(Policy):
         super().__init__(replicas, rng)
         self._pinned: dict[int, int] = {}
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         if connection not in self._pinned:
             self._pinned[connection] = self.rng.randrange(self.replicas)
         return self._pinned[connection]
@@ -55,7 +66,7 @@ class PerConnectionRandom(Policy):
 class SimpleShuffle(Policy):
     name = "simple-shuffle"
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         return self.rng.randrange(self.replicas)
 
 
@@ -68,7 +79,7 @@ class LeastBusy(Policy):
         super().__init__(replicas, rng)
         self.in_flight = [0] * replicas
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         low = min(self.in_flight)
         choice = self.rng.choice([i for i, n in enumerate(self.in_flight) if n == low])
         self.in_flight[choice] += 1
@@ -87,7 +98,7 @@ class LatencyBased(Policy):
         super().__init__(replicas, rng)
         self.samples = [deque(maxlen=10) for _ in range(replicas)]
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         scores = [sum(s) / len(s) if s else 0.0 for s in self.samples]
         low = min(scores)
         return self.rng.choice([i for i, v in enumerate(scores) if v == low])
@@ -105,7 +116,7 @@ class UsageBasedV2(Policy):
         super().__init__(replicas, rng)
         self.tpm: dict[tuple[int, int], int] = defaultdict(int)
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         minute = int(now // 60)
         usage = [self.tpm[(minute, i)] for i in range(self.replicas)]
         low = min(usage)
@@ -129,7 +140,7 @@ class SeedPicker(Policy):
     def scraped(self, snapshots, gpu, at) -> None:
         self.gpu = gpu
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         holders = [i for i, slots in enumerate(self.gpu) if adapter in slots]
         return self.rng.choice(holders) if holders else self.rng.randrange(self.replicas)
 
@@ -143,7 +154,7 @@ class StaticPartition(Policy):
         super().__init__(replicas, rng)
         self.home: dict[str, int] = {}
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         if adapter not in self.home:
             self.home[adapter] = len(self.home) % self.replicas
         return self.home[adapter]
@@ -163,7 +174,7 @@ class Rules(Policy):
     def scraped(self, snapshots, gpu, at) -> None:
         self.fleet.update({k: PodRecord(k, at, m) for k, m in zip(self.keys, snapshots)})
 
-    def route(self, adapter: str, connection: int, now: float) -> int:
+    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
         candidates = self.fleet.candidates(self.keys, now)
         if not candidates:
             self.fallbacks += 1
@@ -173,15 +184,28 @@ class Rules(Policy):
         except (Shed, NoCapacity):
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
-        self.fleet.note_dispatch(decision.pod, adapter, now)
+        self.fleet.note_dispatch(decision.pod, adapter, now, call_id)
         return self.keys.index(decision.pod)
+
+    def ended(self, call_id: str) -> None:
+        self.fleet.end(call_id)
+
+    def share(self) -> PeerShare | None:
+        if not self.settings.share_inflight:
+            return None
+        return PeerShare(self.fleet.inflight.counts(), self.fleet.recent_dispatches())
+
+    def peers(self, share: PeerShare) -> None:
+        self.fleet.update_peers(share)
 
 
 GIE_V02 = {"rule_set": "gie-v0.2", "count_dispatches": False, "remember_residency": False}
 STRATEGY_NAMES = [
     "per-connection-random", "simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2",
-    "seed-picker", "gie-v0.2", "lora-affinity",
+    "seed-picker", "gie-v0.2", "lora-affinity-unshared", "lora-affinity",
 ]
+UNSHARED = {"share_inflight": False}
+"""lora-affinity without in-flight sharing between gateways (what --gateways N compares against)."""
 
 
 def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | None = None) -> Policy:
@@ -193,4 +217,6 @@ def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | 
         return Rules(replicas, rng, build_settings({**GIE_V02, **(overrides or {})}, environ={}), name)
     if name == "lora-affinity":
         return Rules(replicas, rng, build_settings(overrides or {}, environ={}), name)
+    if name == "lora-affinity-unshared":
+        return Rules(replicas, rng, build_settings({**UNSHARED, **(overrides or {})}, environ={}), name)
     raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(STRATEGY_NAMES)}")
