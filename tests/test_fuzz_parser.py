@@ -4,7 +4,7 @@ that pod with a reason, and the others are untouched."""
 import asyncio
 
 import fakeredis
-import httpx
+from page_server import serve_pages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,36 +53,32 @@ def test_parser_returns_a_record_or_a_clear_error(page_lines, noise):
 def test_scraper_marks_only_the_bad_pod(garbage, status):
     good = "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
 
-    async def handler(request):
-        if request.url.host == "bad":
-            return httpx.Response(status, content=garbage)
-        return httpx.Response(200, text=good)
-
     async def run():
         redis = fakeredis.aioredis.FakeRedis()
         settings = build_settings({"max_page_bytes": 1024}, environ={})
-        pods = ["http://good:1", "http://bad:1"]
-        scraper = Scraper(settings, pods, redis, transport=httpx.MockTransport(handler))
-        await asyncio.wait_for(scraper.scrape_once(), 5)
-        return await read_records(redis, settings, pods)
+        async with serve_pages({"good": good, "bad": garbage if status == 200 else status}) as url:
+            pods = [url("good"), url("bad")]
+            scraper = Scraper(settings, pods, redis)
+            await asyncio.wait_for(scraper.scrape_once(), 5)
+            await scraper.aclose()
+        return list((await read_records(redis, settings, pods)).values())
 
-    records = asyncio.run(run())
-    assert records["http://good:1"].ok and records["http://good:1"].metrics.num_requests_running == 2
-    bad = records["http://bad:1"]
+    good_record, bad = asyncio.run(run())
+    assert good_record.ok and good_record.metrics.num_requests_running == 2
     assert bad.ok or bad.error  # either the bytes happen to be a valid page, or the pod carries a reason
 
 
 def test_a_page_of_many_megabytes_is_refused_without_reading_it_all():
     big = "vllm:num_requests_running 1\n" + "# padding\n" * 1_000_000
 
-    async def handler(request):
-        return httpx.Response(200, text=big)
-
     async def run():
         redis = fakeredis.aioredis.FakeRedis()
         settings = build_settings({}, environ={})
-        scraper = Scraper(settings, ["http://huge:1"], redis, transport=httpx.MockTransport(handler))
-        return (await scraper.scrape_once())[0]
+        async with serve_pages({"huge": big}) as url:
+            scraper = Scraper(settings, [url("huge")], redis)
+            record = (await scraper.scrape_once())[0]
+            await scraper.aclose()
+        return record
 
     record = asyncio.run(run())
     assert record.error == "page larger than max_page_bytes=4194304"

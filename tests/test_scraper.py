@@ -4,29 +4,14 @@ import asyncio
 import json
 
 import fakeredis
-import httpx
 import pytest
+from page_server import REFUSED, serve_pages
 
 from lora_affinity_plugin.scraper import Scraper
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord, pod_key, read_records
 
 GOOD = 'vllm:num_requests_running{model_name="m"} 3\nvllm:num_requests_waiting{model_name="m"} 1\n'
-PODS = ["http://a:8000", "http://b:8000", "http://c:8000"]
-
-
-def transport(pages: dict[str, object]) -> httpx.MockTransport:
-    async def handler(request: httpx.Request) -> httpx.Response:
-        page = pages[f"{request.url.scheme}://{request.url.host}:{request.url.port}"]
-        if isinstance(page, Exception):
-            raise page
-        if isinstance(page, int):
-            return httpx.Response(page)
-        if page == "hang":
-            await asyncio.sleep(10)
-        return httpx.Response(200, text=page)
-
-    return httpx.MockTransport(handler)
 
 
 @pytest.fixture
@@ -34,9 +19,16 @@ def redis():
     return fakeredis.aioredis.FakeRedis()
 
 
-async def test_writes_one_record_per_pod_with_a_ttl(redis):
+@pytest.fixture
+async def PODS():
+    """Three pods serving a good page."""
+    async with serve_pages({name: GOOD for name in "abc"}) as url:
+        yield [url(name) for name in "abc"]
+
+
+async def test_writes_one_record_per_pod_with_a_ttl(redis, PODS):
     settings = build_settings({"metrics_ttl_ms": 5000})
-    scraper = Scraper(settings, PODS, redis, transport=transport({p: GOOD for p in PODS}))
+    scraper = Scraper(settings, PODS, redis)
     await scraper.scrape_once()
     records = await read_records(redis, settings, PODS)
     assert {p: r.metrics.num_requests_running for p, r in records.items()} == {p: 3 for p in PODS}
@@ -46,34 +38,35 @@ async def test_writes_one_record_per_pod_with_a_ttl(redis):
 
 async def test_a_bad_pod_is_marked_with_its_reason_and_the_others_are_untouched(redis):
     settings = build_settings({"scrape_timeout_ms": 200, "max_page_bytes": 4096})
-    pages = {"http://a:8000": GOOD, "http://b:8000": "garbage \x00\xff", "http://c:8000": 500,
-             "http://d:8000": "hang", "http://e:8000": httpx.ConnectError("refused"),
-             "http://f:8000": GOOD + "#" * 10_000}
-    scraper = Scraper(settings, list(pages), redis, transport=transport(pages))
-    await asyncio.wait_for(scraper.scrape_once(), 2)
-    records = await read_records(redis, settings, list(pages))
-    assert records["http://a:8000"].ok
-    assert "not a vLLM metrics page" in records["http://b:8000"].error
-    assert records["http://c:8000"].error == "HTTP 500 from /metrics"
-    assert records["http://d:8000"].error == "timed out"
-    assert "ConnectError" in records["http://e:8000"].error
-    assert "max_page_bytes" in records["http://f:8000"].error
+    pages = {"a": GOOD, "b": "garbage \x00\xff", "c": 500, "d": "hang", "f": GOOD + "#" * 10_000}
+    async with serve_pages(pages) as url:
+        pods = {name: url(name) for name in pages} | {"e": REFUSED}
+        scraper = Scraper(settings, list(pods.values()), redis)
+        await asyncio.wait_for(scraper.scrape_once(), 2)
+        await scraper.aclose()
+    records = {name: r for name, r in zip(pods, (await read_records(redis, settings, list(pods.values()))).values())}
+    assert records["a"].ok
+    assert "not a vLLM metrics page" in records["b"].error
+    assert records["c"].error == "HTTP 500 from /c/metrics"
+    assert records["d"].error == "timed out"
+    assert "ClientConnectorError" in records["e"].error
+    assert "max_page_bytes" in records["f"].error
 
 
-async def test_one_pooled_client_across_cycles_recreated_when_closed(redis):
-    scraper = Scraper(build_settings({}), PODS, redis, transport=transport({p: GOOD for p in PODS}))
+async def test_one_pooled_session_across_cycles_recreated_when_closed(redis, PODS):
+    scraper = Scraper(build_settings({}), PODS, redis)
     await scraper.scrape_once()
     first = scraper._http.get()
     await scraper.scrape_once()
     assert scraper._http.get() is first
-    await first.aclose()
-    await scraper.scrape_once()
+    await first.close()
+    assert all(r.ok for r in await scraper.scrape_once())
     assert scraper._http.get() is not first
     await scraper.aclose()
-    assert scraper._http._client is None
+    assert scraper._http._session is None
 
 
-async def test_redis_down_is_survived_and_logged_once(caplog):
+async def test_redis_down_is_survived_and_logged_once(caplog, PODS):
     class Down:
         async def eval(self, *args):
             raise ConnectionError("redis is down")
@@ -81,7 +74,7 @@ async def test_redis_down_is_survived_and_logged_once(caplog):
         async def aclose(self):
             pass
 
-    scraper = Scraper(build_settings({}), PODS, Down(), transport=transport({p: GOOD for p in PODS}))
+    scraper = Scraper(build_settings({}), PODS, Down())
     assert await scraper.scrape_once() == []  # no lease can be taken: nothing to scrape for
     scraper.leader = True  # a leader that loses Redis keeps scraping and keeps trying to write
     for _ in range(3):
@@ -90,11 +83,10 @@ async def test_redis_down_is_survived_and_logged_once(caplog):
     assert sum("cannot write to Redis" in r.message for r in caplog.records) == 1
 
 
-async def test_only_the_lease_holder_scrapes_and_a_stale_leader_is_fenced(redis):
+async def test_only_the_lease_holder_scrapes_and_a_stale_leader_is_fenced(redis, PODS):
     settings = build_settings({"scraper_lease_ms": 200})
-    pages = transport({p: GOOD for p in PODS})
-    first = Scraper(settings, PODS, redis, transport=pages)
-    second = Scraper(settings, PODS, redis, transport=pages)
+    first = Scraper(settings, PODS, redis)
+    second = Scraper(settings, PODS, redis)
     assert len(await first.scrape_once()) == 3 and first.leader
     assert await second.scrape_once() == [] and not second.leader and second.holder == first.holder
     await asyncio.sleep(0.3)  # the first worker pauses past its lease
@@ -106,9 +98,9 @@ async def test_only_the_lease_holder_scrapes_and_a_stale_leader_is_fenced(redis)
     assert all(r.scraper == second.holder for r in records.values())
 
 
-async def test_run_keeps_the_interval_and_stops(redis):
+async def test_run_keeps_the_interval_and_stops(redis, PODS):
     settings = build_settings({"scrape_interval_ms": 20})
-    scraper = Scraper(settings, PODS, redis, transport=transport({p: GOOD for p in PODS}))
+    scraper = Scraper(settings, PODS, redis)
     stop = asyncio.Event()
     task = asyncio.create_task(scraper.run(stop))
     await asyncio.sleep(0.25)

@@ -7,6 +7,7 @@ a run leaves nothing behind.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,17 +29,20 @@ def free_port() -> int:
 
 
 def free_port_range(count: int) -> int:
-    """A base port with `count` free consecutive ports after it."""
+    """A base port with `count` free consecutive ports after it.
+
+    Searched below the kernel's ephemeral range (32768+), where client connections in TIME_WAIT would
+    scatter conflicts over any long run of ports.
+    """
+    rng = random.Random()
     for _ in range(200):
-        base = free_port()
-        if base + count >= 65535:
-            continue
+        base = rng.randrange(10_000, 32_768 - count)
+        socks: list[socket.socket] = []
         try:
-            socks = []
             for port in range(base, base + count):
                 s = socket.socket()
-                s.bind(("127.0.0.1", port))
                 socks.append(s)
+                s.bind(("127.0.0.1", port))
             return base
         except OSError:
             continue

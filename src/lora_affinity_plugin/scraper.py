@@ -1,7 +1,9 @@
 """The scraper worker: every pod's `/metrics`, parsed and written to Redis once per interval.
 
-One pooled HTTP client per event loop (the lesson of pooling the proxy's client: never one client
-per call), private to scraping so scrapes never queue behind the proxy's busy streams.
+One pooled HTTP session per event loop (the lesson of pooling the proxy's client: never one client
+per call), private to scraping so scrapes never queue behind the proxy's busy streams. It is aiohttp's:
+at 256 pods every 200 ms, httpx's pool cost ~8 ms of CPU per scrape against ~0.3 ms for aiohttp's
+(`lora-affinity bench --scenario scrape-scale`).
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
-import httpx
+import aiohttp
 
 from .episodes import Episode
 from .lease import LeaseResult, lease_and_write, worker_id
 from .live_settings import LiveCopy, apply_live, settings_key
 from .metrics import SCRAPE_ERRORS, SCRAPE_SECONDS
 from .parsing import MetricsPageError, parse_metrics
+from .scheduling import PodMetrics
 from .settings import Settings, SettingsError
 from .store import PodRecord, connect, pod_key
 
@@ -27,79 +30,78 @@ __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
 logger = logging.getLogger("lora_affinity.scraper")
 
 
-class _LoopClient:
-    """One httpx.AsyncClient per event loop: recreated if closed or used from another loop."""
+class _LoopSession:
+    """One aiohttp session (a keep-alive pool) per event loop: recreated if closed or used from another loop."""
 
-    def __init__(self, pool_size: int, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, pool_size: int) -> None:
         self._pool_size = pool_size
-        self._timeout_s = timeout_s
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def get(self) -> httpx.AsyncClient:
+    def get(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
-        if self._client is None or self._client.is_closed or self._loop is not loop:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self._timeout_s),
-                limits=httpx.Limits(max_connections=self._pool_size, max_keepalive_connections=self._pool_size),
-                follow_redirects=False,
-                transport=self._transport,
-            )
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._pool_size, limit_per_host=0, ttl_dns_cache=60),
+                auto_decompress=True, trust_env=False)
             self._loop = loop
-        return self._client
+        return self._session
 
-    async def aclose(self) -> None:
-        if self._client is not None and not self._client.is_closed and self._loop is asyncio.get_running_loop():
-            await self._client.aclose()
-        self._client = None
-
-
-class Scraper:
-    """Scrapes a fixed list of pods (from the config, never from requests) into Redis."""
-
-    def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None, auth: httpx.Auth | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
-        self.base_settings = settings
-        self.settings = settings
-        self.settings_version = 0
-        self._rejected: bytes | None = None
-        self.pods = list(pods)
-        self._redis = redis_client
-        self._auth = auth
-        self._http = _LoopClient(max(4, len(self.pods)), settings.scrape_timeout_ms / 1000, transport)
-        self._redis_down = Episode(logger, "scraper cannot write to Redis; metrics will age")
-        self.worker = worker_id()
-        self.leader = False
-        self.holder: str | None = None
-        self.cycles = 0
-
-    async def _fetch(self, client: httpx.AsyncClient, pod: str) -> str:
-        limit = self.settings.max_page_bytes
-        token = self.settings.metrics_bearer_token
-        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else None
-        async with client.stream("GET", pod + self.settings.metrics_path, headers=headers,
-                                 auth=self._auth or httpx.USE_CLIENT_DEFAULT) as resp:
-            if resp.status_code != 200:
-                raise MetricsPageError(f"HTTP {resp.status_code} from {self.settings.metrics_path}")
+    async def fetch(self, url: str, headers: Mapping[str, str] | None, limit: int, timeout_s: float) -> str:
+        """The page's text; MetricsPageError for a non-200 answer or a page over `limit` bytes."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self.get().get(url, headers=headers, allow_redirects=False, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise MetricsPageError(f"HTTP {resp.status} from {resp.url.path}")
+            if resp.content_length is not None and resp.content_length > limit:
+                raise MetricsPageError(f"page larger than max_page_bytes={limit}")
             chunks, size = [], 0
-            async for chunk in resp.aiter_bytes():
+            async for chunk in resp.content.iter_any():
                 size += len(chunk)
                 if size > limit:
                     raise MetricsPageError(f"page larger than max_page_bytes={limit}")
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
 
-    async def _scrape_pod(self, client: httpx.AsyncClient, pod: str) -> PodRecord:
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
+
+
+class Scraper:
+    """Scrapes a fixed list of pods (from the config, never from requests) into Redis."""
+
+    def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None,
+                 parse: Callable[[str], PodMetrics] = parse_metrics):
+        self.base_settings = settings
+        self.settings = settings
+        self.settings_version = 0
+        self._rejected: bytes | None = None
+        self.pods = list(pods)
+        self._parse = parse
+        """`parse_metrics`; the scrape-scale benchmark swaps in a full parse to compare."""
+        self._redis = redis_client
+        self._http = _LoopSession(max(4, len(self.pods)))
+        self._redis_down = Episode(logger, "scraper cannot write to Redis; metrics will age")
+        self.worker = worker_id()
+        self.leader = False
+        self.holder: str | None = None
+        self.cycles = 0
+
+    async def _scrape_pod(self, pod: str) -> PodRecord:
         started = time.time()
+        token = self.settings.metrics_bearer_token
+        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else None
         try:
-            text = await asyncio.wait_for(self._fetch(client, pod), self.settings.scrape_timeout_ms / 1000)
-            return PodRecord(pod=pod, scraped_at=started, metrics=parse_metrics(text))
+            text = await self._http.fetch(pod + self.settings.metrics_path, headers, self.settings.max_page_bytes,
+                                          self.settings.scrape_timeout_ms / 1000)
+            return PodRecord(pod=pod, scraped_at=started, metrics=self._parse(text))
         except MetricsPageError as exc:
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error=str(exc))
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+        except asyncio.TimeoutError:
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error="timed out")
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error=f"{type(exc).__name__}: {exc}"[:200])
 
     async def scrape_once(self) -> list[PodRecord]:
@@ -112,8 +114,7 @@ class Scraper:
             self._redis = connect(self.settings)
         if not self.leader and not await self._lease():
             return []
-        client = self._http.get()
-        records = await asyncio.gather(*(self._scrape_pod(client, pod) for pod in self.pods))
+        records = await asyncio.gather(*(self._scrape_pod(pod) for pod in self.pods))
         self.cycles += 1
         for record in records:
             if record.error is not None:

@@ -20,13 +20,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chart", default="bench-out/bench.png", help="where to write the PNG chart")
     parser.add_argument("--deployments", default="8,64,512", help="decisions scenario: deployment counts")
     parser.add_argument("--iterations", type=int, default=3000, help="decisions scenario: decisions per size")
+    parser.add_argument("--pods", type=int, default=256, help="scrape-scale: simulated replicas")
+    parser.add_argument("--seconds", type=float, default=10.0, help="scrape-scale: how long each variant runs")
     parser.set_defaults(func=run_bench)
 
 
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", "parse", "soak", *SCENARIOS]
+    return ["decisions", "propagation", "parse", "scrape-scale", "soak", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -42,6 +44,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .parse import run_parse
 
         return run_parse(args)
+    if args.scenario == "scrape-scale":
+        from .scrape_scale import run_scrape_scale
+
+        return run_scrape_scale(args)
     if args.scenario == "propagation":
         from .propagation import run_propagation
 
