@@ -135,6 +135,7 @@ class Follower:
         while True:
             client = connect(self.base, blocking=True)
             try:
+                await client.initialize()  # a Cluster client learns its slots before it can subscribe
                 async with client.pubsub() as pubsub:
                     await pubsub.subscribe(notify_channel(self.base.key_prefix))
                     async for message in pubsub.listen():

@@ -127,7 +127,7 @@ def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
     """Validate and apply `changes` atomically; raises SettingsError (nothing written) or ConflictError."""
     prefix = base.key_prefix
     key = settings_key(prefix)
-    with client.pipeline() as pipe:
+    with client.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(key)
             raw = pipe.get(key)
@@ -145,10 +145,10 @@ def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
             pipe.xadd(audit_key(prefix), {"version": new.version, "by": by, "at": new.updated_at,
                                           "old": json.dumps(changed_from), "new": json.dumps(changed_to)},
                       maxlen=AUDIT_MAXLEN, approximate=True)
-            pipe.publish(notify_channel(prefix), str(new.version))
             pipe.execute()
         except redis.WatchError:
             raise ConflictError("another operator changed the settings at the same moment; retry") from None
+    client.publish(notify_channel(prefix), str(new.version))  # a nudge; followers poll anyway
     return old, new
 
 

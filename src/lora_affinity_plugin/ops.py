@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 import redis
 
 from . import live_settings
+from .connection import sync_client
 from .fleet import FleetView
 from .inflight import read_shared
 from .lease import lease_key
@@ -64,7 +65,7 @@ def _context(args: argparse.Namespace) -> tuple[Settings, dict, redis.Redis]:
     if args.redis_url:
         environ["LORA_AFFINITY_REDIS_URL"] = args.redis_url
     settings = settings_from_config(config, environ)
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    client = sync_client(settings.redis_url)
     return settings, config, client
 
 

@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from .connection import SCHEMES, parse_redis_url
+
 ENV_PREFIX = "LORA_AFFINITY_"
 RuleSet = Literal["lora-affinity", "gie-v0.2"]
 RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_lora", "least_kv", "least_load",
@@ -101,8 +103,12 @@ class Settings(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        if not value.startswith(SCHEMES):
+            raise ValueError(f"must start with one of {', '.join(SCHEMES)}")
+        try:
+            parse_redis_url(value)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in {redact_url(value)})") from None
         return value
 
     @model_validator(mode="after")
@@ -144,12 +150,19 @@ LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in REST
 
 
 def redact_url(url: str) -> str:
+    """`url` with its passwords (user info and `sentinel_password=`) replaced by ***."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
+    if not sep:
         return url
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0] if ":" in creds else ""
-    return f"{scheme}://{user + ':' if user else ''}***@{host}"
+    rest, qsep, query = rest.partition("?")
+    if query:
+        query = "&".join(f"{k}=***" if "password" in k.lower() else f"{k}{eq}{v}"
+                         for k, eq, v in (part.partition("=") for part in query.split("&")))
+    if "@" in rest:
+        creds, _, host = rest.rpartition("@")
+        user = creds.split(":", 1)[0] if ":" in creds else ""
+        rest = f"{user + ':' if user else ''}***@{host}"
+    return f"{scheme}://{rest}{qsep}{query}"
 
 
 def _resolve_env_refs(value: Any, environ: dict[str, str]) -> Any:

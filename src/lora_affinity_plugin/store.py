@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-import redis.asyncio as aioredis
 
+from .connection import async_client
 from .scheduling import PodMetrics
 from .settings import Settings
 
@@ -64,21 +64,13 @@ def pod_key(settings: Settings, pod: str) -> str:
     return f"{{{settings.key_prefix}}}:pod:{pod}"
 
 
-def connect(settings: Settings, *, blocking: bool = False) -> aioredis.Redis:
-    """An asyncio Redis client with short timeouts: the plugin must fall back, never hang a request.
-
-    `blocking` clients (pub/sub) wait for messages without a read timeout.
-    """
-    timeout = max(0.05, settings.scrape_timeout_ms / 1000)
-    return aioredis.from_url(
-        settings.redis_url,
-        socket_timeout=None if blocking else timeout,
-        socket_connect_timeout=timeout,
-        health_check_interval=30,
-    )
+def connect(settings: Settings, *, blocking: bool = False) -> Any:
+    """An asyncio client for `redis_url` (a server, Sentinel or Cluster) with short timeouts: the plugin
+    must fall back, never hang a request. `blocking` clients (pub/sub) wait without a read timeout."""
+    return async_client(settings.redis_url, max(0.05, settings.scrape_timeout_ms / 1000), blocking=blocking)
 
 
-async def read_records(client: aioredis.Redis, settings: Settings, pods: Sequence[str]) -> dict[str, PodRecord]:
+async def read_records(client: Any, settings: Settings, pods: Sequence[str]) -> dict[str, PodRecord]:
     """Every known pod's record in one MGET; pods with no (or an unreadable) record are left out."""
     if not pods:
         return {}
