@@ -1,4 +1,7 @@
-"""Test helpers: the package's own process helpers, plus debug logging from the plugin."""
+"""Test helpers: the package's own process helpers, plus the fake vLLM pods."""
+
+import sys
+from pathlib import Path
 
 from lora_affinity_plugin.processes import (  # noqa: F401
     MASTER_KEY,
@@ -13,3 +16,11 @@ from lora_affinity_plugin.processes import (  # noqa: F401
     wait_port,
     write_config,
 )
+
+
+def fake_pods(ports: list[int], log_dir: Path) -> Proc:
+    """`tests/fake_pods.py` serving one pod per port, started and listening."""
+    proc = Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, ports)], log_dir)
+    for port in ports:
+        wait_port(port)
+    return proc

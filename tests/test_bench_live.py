@@ -50,3 +50,19 @@ def test_short_soak_with_faults_reports_no_errors_and_no_leaks():
     assert "Redis restarted" in stdout and "killed and restarted" in stdout
     assert "errors 0" in stdout
     assert "left running or waiting on the replicas after the load: 0" in stdout
+
+
+def test_gateways_bench_compares_shared_unshared_and_one_gateway(tmp_path):
+    path = tmp_path / "g.json"
+    stdout = run(["bench", "--scenario", "seed", "--mode", "fast", "--gateways", "3", "--requests", "300",
+                  "--json", str(path), "--chart", str(tmp_path / "c.png")])
+    names = [r["strategy"] for r in json.loads(path.read_text())]
+    assert names[-3:] == ["lora-affinity-unshared", "lora-affinity", "lora-affinity, 1 gateway"]
+    assert "3 gateways vs 1" in stdout and "shared in-flight counts" in stdout and "not shared" in stdout
+
+
+def test_scrape_scale_reports_cpu_per_scrape_and_the_interval():
+    stdout = run(["bench", "--scenario", "scrape-scale", "--pods", "16", "--seconds", "1.5"])
+    ours = next(line for line in stdout.splitlines() if line.startswith("lora-affinity parser"))
+    assert ours.rstrip().endswith("yes")  # 16 pods: the interval is kept with room to spare
+    assert "CPU per scrape, full parse / ours" in stdout

@@ -18,7 +18,17 @@ import httpx
 import pytest
 import redis
 import yaml
-from procs import MASTER_KEY, Proc, child_env, free_port, litellm_proxy, lora_affinity, proxy_config, redis_server, wait_port
+from procs import (
+    MASTER_KEY,
+    Proc,
+    child_env,
+    fake_pods,
+    free_port,
+    litellm_proxy,
+    lora_affinity,
+    proxy_config,
+    redis_server,
+)
 
 REFRESH_S = 0.1
 CHAT = "/v1/chat/completions"
@@ -82,9 +92,7 @@ def stack(tmp_path_factory):
     procs: list[Proc] = []
     store = redis_server(redis_port, tmp)
     try:
-        procs.append(Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, pods)], tmp))
-        for p in pods:
-            wait_port(p)
+        procs.append(fake_pods(pods, tmp))
         config = proxy_config(pods, redis_port, scrape_interval_ms=int(REFRESH_S * 1000))
         config["router_settings"] = {"num_retries": 2, "retry_after": 0}
         path = tmp / "config.yaml"

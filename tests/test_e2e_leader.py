@@ -7,17 +7,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import redis
 from procs import (
     Proc,
     child_env,
+    fake_pods,
     free_port,
     lora_affinity,
     redis_server,
-    wait_port,
     write_config,
 )
 
@@ -31,10 +30,7 @@ def stack(tmp_path):
     procs: list[Proc] = []
     store = redis_server(redis_port, tmp_path)
     try:
-        procs.append(Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, pods)],
-                          tmp_path))
-        for p in pods:
-            wait_port(p)
+        procs.append(fake_pods(pods, tmp_path))
         config = write_config(tmp_path / "config.yaml", pods, redis_port, scraper_lease_ms=LEASE_MS)
         workers = [lora_affinity(["scrape", "--config", str(config)], tmp_path, f"scraper-{i}") for i in range(2)]
         procs += workers

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,11 +18,11 @@ from procs import (
     MASTER_KEY,
     Proc,
     child_env,
+    fake_pods,
     free_port,
     litellm_proxy,
     lora_affinity,
     redis_server,
-    wait_port,
     write_config,
 )
 
@@ -76,9 +75,7 @@ def stack(tmp_path_factory):
     procs: dict[str, Proc] = {}
     redis = redis_server(redis_port, tmp)
     try:
-        procs["pods"] = Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, pods)], tmp)
-        for p in pods:
-            wait_port(p)
+        procs["pods"] = fake_pods(pods, tmp)
         config = write_config(tmp / "config.yaml", pods, redis_port, stale_after_ms=500, metrics_ttl_ms=1000)
         procs["scraper"] = lora_affinity(["scrape", "--config", str(config)], tmp, "scraper")
         procs["proxy"] = litellm_proxy(config, proxy_port, tmp, env=child_env(LORA_AFFINITY_LOG_LEVEL="DEBUG"))

@@ -21,7 +21,16 @@ import httpx
 import pytest
 import redis
 import yaml
-from procs import MASTER_KEY, Proc, child_env, free_port, litellm_proxy, lora_affinity, proxy_config, wait_port
+from procs import (
+    MASTER_KEY,
+    Proc,
+    child_env,
+    fake_pods,
+    free_port,
+    litellm_proxy,
+    lora_affinity,
+    proxy_config,
+)
 from redis_topologies import cluster_setup, sentinel_setup
 
 SETUPS = {"sentinel": sentinel_setup, "cluster": cluster_setup}
@@ -61,10 +70,7 @@ def _stack(kind: str, tmp_path_factory):
     procs: list[Proc] = []
     with SETUPS[kind](tmp) as topology:
         try:
-            procs.append(Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, pods)],
-                              tmp))
-            for p in pods:
-                wait_port(p)
+            procs.append(fake_pods(pods, tmp))
             config = proxy_config(pods, 0, scrape_interval_ms=100)
             config["lora_affinity"]["redis_url"] = topology["url"]
             path = tmp / "config.yaml"

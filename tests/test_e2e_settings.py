@@ -10,13 +10,19 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
 import yaml
-from procs import MASTER_KEY, Proc, child_env, free_port, redis_server, wait_port
+from procs import (
+    MASTER_KEY,
+    Proc,
+    child_env,
+    fake_pods,
+    free_port,
+    redis_server,
+)
 
 from lora_affinity_plugin.live_settings import LiveCopy, settings_key
 from lora_affinity_plugin.processes import proxy_config, start_litellm_proxy, wait_proxy
@@ -33,9 +39,7 @@ def stack(tmp_path_factory):
     procs: list[Proc] = []
     store = redis_server(redis_port, tmp)
     try:
-        procs.append(Proc("pods", [sys.executable, str(Path(__file__).with_name("fake_pods.py")), *map(str, pods)], tmp))
-        for p in pods:
-            wait_port(p)
+        procs.append(fake_pods(pods, tmp))
         for p in pods:
             httpx.post(f"http://127.0.0.1:{p}/_control/metrics", json={"waiting": 4, "running": 2, "kv": 0.5})
         config = proxy_config(pods, redis_port, scrape_interval_ms=100)

@@ -4,9 +4,9 @@ that pod with a reason, and the others are untouched."""
 import asyncio
 
 import fakeredis
-from page_server import serve_pages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from page_server import serve_pages
 
 from lora_affinity_plugin.scraper import MetricsPageError, Scraper, parse_metrics
 from lora_affinity_plugin.settings import build_settings

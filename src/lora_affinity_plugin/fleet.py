@@ -3,8 +3,9 @@
 Scraped metrics are always a little old. Requests sent after a pod's scrape, by this process or by
 its peers (shared through Redis, see `inflight.py`), are not in that pod's numbers yet, so they are
 added as waiting requests (with their adapters) until they end or a newer scrape covers them. That
-keeps a burst of requests that all see one snapshot from herding onto the same "best" pod. Residency: an idle pod keeps the adapters it ran most recently (an LRU of
-`max_lora` slots, like vLLM's GPU slots), unless the server reports them itself.
+keeps a burst of requests that all see one snapshot from herding onto the same "best" pod.
+Residency: an idle pod keeps the adapters it ran most recently (an LRU of `max_lora` slots, like
+vLLM's GPU slots), unless the server reports them itself.
 """
 
 from __future__ import annotations

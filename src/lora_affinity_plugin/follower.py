@@ -15,7 +15,14 @@ from typing import Callable
 
 from .episodes import Episode
 from .fleet import FleetView
-from .inflight import REFRESH_SCRIPT, decode_shares, encode_share, inflight_key, members_key, process_id
+from .inflight import (
+    REFRESH_SCRIPT,
+    decode_shares,
+    encode_share,
+    inflight_key,
+    members_key,
+    process_id,
+)
 from .live_settings import (
     LiveCopy,
     apply_live,
@@ -23,7 +30,14 @@ from .live_settings import (
     notify_channel,
     settings_key,
 )
-from .metrics import INFLIGHT, INFLIGHT_SWEPT, SETTINGS_APPLIED, SETTINGS_REJECTED, SETTINGS_VERSION, SNAPSHOT_AGE
+from .metrics import (
+    INFLIGHT,
+    INFLIGHT_SWEPT,
+    SETTINGS_APPLIED,
+    SETTINGS_REJECTED,
+    SETTINGS_VERSION,
+    SNAPSHOT_AGE,
+)
 from .settings import Settings, SettingsError
 from .store import connect, decode_records, pod_key
 

@@ -12,7 +12,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-
 from .connection import async_client
 from .scheduling import PodMetrics
 from .settings import Settings
