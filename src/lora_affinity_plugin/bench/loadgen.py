@@ -53,8 +53,9 @@ async def run_load(scenario: Scenario, targets: list[str], speed: float, seed: i
             async with asyncio.timeout(remaining):
                 async with session.post(base + "/v1/completions", json=body, headers=headers) as resp:
                     if resp.status != 200:
-                        await resp.read()
-                        return RequestOutcome(replica, False, e2e_s=(time.monotonic() - sent) * speed)
+                        body = (await resp.read())[:200].decode(errors="replace")
+                        return RequestOutcome(replica, False, e2e_s=(time.monotonic() - sent) * speed,
+                                              error=f"HTTP {resp.status}: {_error_message(body)}")
                     if not req.stream:
                         data = await resp.json()
                         tokens, ttft = data["usage"]["completion_tokens"], None
@@ -69,8 +70,9 @@ async def run_load(scenario: Scenario, targets: list[str], speed: float, seed: i
         except (asyncio.TimeoutError, TimeoutError):
             last_event[0] = max(last_event[0], expires)
             return RequestOutcome(replica, False)
-        except aiohttp.ClientError:
-            return RequestOutcome(replica, False, e2e_s=(time.monotonic() - sent) * speed)
+        except aiohttp.ClientError as exc:
+            return RequestOutcome(replica, False, e2e_s=(time.monotonic() - sent) * speed,
+                                  error=f"{type(exc).__name__}: {exc}"[:120])
         now = time.monotonic()
         last_event[0] = max(last_event[0], now - start)
         created = start + req.arrival / speed
@@ -95,3 +97,11 @@ async def run_load(scenario: Scenario, targets: list[str], speed: float, seed: i
         for w in workers:
             w.cancel()
     return [o or RequestOutcome(None, False) for o in outcomes], last_event[0] * speed
+
+
+def _error_message(body: str) -> str:
+    """The gist of an error body, short enough to count kinds by (LiteLLM wraps it in JSON)."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:80]
+    except (ValueError, KeyError, TypeError):
+        return body[:80]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,8 @@ class RequestOutcome:
     output_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    error: str | None = None
+    """Why a request failed (HTTP status and message, or the client error), for the error summary."""
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Result:
     e2e_s: dict[str, float] = field(default_factory=dict)
     per_replica: list[int] = field(default_factory=list)
     seeds: int = 1
+    error_kinds: dict[str, int] = field(default_factory=dict)
 
     @property
     def req_per_s(self) -> float:
@@ -73,6 +77,7 @@ def summarize(strategy: str, scenario: str, mode: str, outcomes: list[RequestOut
         ttft_s=percentiles([o.ttft_s for o in done if o.ttft_s is not None]),
         e2e_s=percentiles([o.e2e_s for o in done if o.e2e_s is not None]),
         per_replica=per_replica,
+        error_kinds=dict(Counter(o.error for o in outcomes if o.error).most_common(5)),
     )
 
 
@@ -113,6 +118,10 @@ def format_table(results: list[Result]) -> str:
             f"{'/'.join(f'{e.get(k, 0):.0f}' for k in ('p50', 'p90', 'p99')):>22}"
             f"{_spread(r.per_replica):>13}{ratio:>11}"
         )
+    for r in results:
+        if r.error_kinds:
+            kinds = "; ".join(f"{n} x {kind}" for kind, n in r.error_kinds.items())
+            lines.append(f"errors of {r.strategy}: {kinds}")
     return "\n".join(lines)
 
 
