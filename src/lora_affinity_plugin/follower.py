@@ -21,8 +21,8 @@ from .inflight import (
     encode_share,
     inflight_key,
     members_key,
-    process_id,
 )
+from .lease import worker_id
 from .live_settings import (
     LiveCopy,
     apply_live,
@@ -55,7 +55,8 @@ class Follower:
         self.applied_version = 0
         self._last_raw: bytes | None = None
         self._wake = asyncio.Event()
-        self.process = process_id()
+        self.process = worker_id()
+        """host:pid:random, like a scraper's id: names this process's in-flight table."""
         self.peers: list[str] = []
         self.pods_seen: set[str] = set()
         """Other processes sharing in-flight tables, as of the last refresh."""

@@ -14,9 +14,6 @@ process sent to a pod since that pod's last scrape, so replicas reading one snap
 from __future__ import annotations
 
 import json
-import os
-import socket
-import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -80,10 +77,6 @@ class InFlight:
             self._counts[dispatch.pod] = left
         else:
             del self._counts[dispatch.pod]
-
-
-def process_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 def encode_share(counts: Mapping[str, int], recent: Mapping[str, Sequence[tuple[float, str | None]]]) -> str:
