@@ -50,6 +50,7 @@ def test_short_soak_with_faults_reports_no_errors_and_no_leaks():
     assert "Redis restarted" in stdout and "killed and restarted" in stdout
     assert "errors 0" in stdout
     assert "left running or waiting on the replicas after the load: 0" in stdout
+    assert "in flight in the proxy after the load (shared in Redis by 1 process): 0" in stdout
 
 
 def test_gateways_bench_compares_shared_unshared_and_one_gateway(tmp_path):

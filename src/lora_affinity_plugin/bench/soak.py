@@ -3,7 +3,8 @@
 Real processes: redis-server, 3 simulated replicas (one process each, so one can be killed), the
 scraper and a proxy with the plugin. Every quarter of the run a fault is injected: Redis restarted,
 a replica killed and brought back, a client hanging up mid-stream. At the end it reports request errors,
-the proxy's and the scraper's memory growth, and work left on the replicas (a leak would show there).
+the proxy's and the scraper's memory growth, work left on the replicas, and the proxy's requests in
+flight as its peers see them in Redis (a leak would show in either; both must be back to zero).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 import yaml
 
+from ..inflight import read_shared
 from ..processes import (
     MASTER_KEY,
     Proc,
@@ -42,6 +45,18 @@ def _rss_mb(proc: Proc) -> float:
 def _sim(port: int, workdir: Path) -> Proc:
     return Proc(f"sim-{port}", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "1",
                                 "--base-port", str(port), "--speed", "20"], workdir)
+
+
+def _inflight_after(redis_port: int, within_s: float = 5.0) -> tuple[int, int]:
+    """(processes sharing, requests in flight) once the load is over (the proxy publishes every refresh)."""
+    client = redis.Redis(port=redis_port)
+    deadline = time.monotonic() + within_s
+    while True:
+        processes, counts = read_shared(client, "lora_affinity")
+        total = sum(counts.values())
+        if (processes and total == 0) or time.monotonic() > deadline:
+            return processes, total
+        time.sleep(0.1)
 
 
 def _left_on_replicas(ports: list[int]) -> int:
@@ -127,6 +142,7 @@ def run_soak(args: argparse.Namespace) -> int:
         time.sleep(1)
         rss_end = {"proxy": _rss_mb(proxy), "scraper": _rss_mb(scraper)}
         left = _left_on_replicas(ports)
+        sharing, inflight = _inflight_after(redis_port)
         for line in faults:
             print(f"  fault at {line}")
         total = counts["ok"] + counts["errors"]
@@ -135,7 +151,8 @@ def run_soak(args: argparse.Namespace) -> int:
             print(f"{name} memory {rss_start[name]:.0f} MB -> {rss_end[name]:.0f} MB "
                   f"({rss_end[name] - rss_start[name]:+.0f} MB)")
         print(f"left running or waiting on the replicas after the load: {left}")
-        return 0 if counts["errors"] == 0 and left == 0 else 1
+        print(f"in flight in the proxy after the load (shared in Redis by {sharing} process): {inflight}")
+        return 0 if counts["errors"] == 0 and left == 0 and sharing and inflight == 0 else 1
     finally:
         for proc in reversed(procs):
             proc.stop()
