@@ -18,7 +18,6 @@ import fnmatch
 import logging
 import os
 import random
-import sys
 import time
 from collections import OrderedDict
 from typing import Any, Mapping
@@ -363,18 +362,18 @@ class ProxyPlugin(CustomLogger):
 
     async def async_post_call_success_deployment_hook(self, request_data, response, call_type):
         if not request_data.get("stream"):  # a stream has only started here; its iterator ends it
-            self._end_call(request_data)
+            self._end_call(request_data, "success")
         return None
 
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
-        self._end_call(kwargs)
+        self._end_call(kwargs, "success log")
 
     async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
-        self._end_call(kwargs)
+        self._end_call(kwargs, "failure log")
 
     async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
                                            traceback_str=None):
-        self._end_call(request_data)
+        self._end_call(request_data, "failure")
         return None
 
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict, response, request_data):
@@ -382,15 +381,15 @@ class ProxyPlugin(CustomLogger):
             async for chunk in response:
                 yield chunk
         finally:  # end of stream, upstream error or the client leaving (CancelledError/GeneratorExit)
-            self._end_call(request_data)
+            self._end_call(request_data, "stream end")
 
-    def _end_call(self, data: Mapping[str, Any] | None) -> None:
+    def _end_call(self, data: Mapping[str, Any] | None, via: str) -> None:
         try:
             call_id = data.get("litellm_call_id") if data else None
             if call_id and self._fleet is not None:
                 ended = self._fleet.end(call_id)
                 if ended is not None and logger.isEnabledFor(logging.DEBUG):
-                    logger.debug("call %s ended on %s (%s)", call_id, ended.pod, sys._getframe(1).f_code.co_name)
+                    logger.debug("call %s on %s ended (%s)", call_id, ended.pod, via)
         except Exception:
             logger.exception("lora-affinity could not end a request in flight")
 
