@@ -71,3 +71,36 @@ def test_model_group_overrides_are_validated_and_applied():
 def test_unknown_rule_names_are_refused():
     with pytest.raises(SettingsError, match="disabled_rules"):
         build_settings({"disabled_rules": ["least_kv", "warp_drive"]}, environ={})
+
+
+def test_sentinel_and_cluster_urls_are_parsed_into_their_parts():
+    from lora_affinity_plugin.connection import parse_redis_url
+
+    sentinel = parse_redis_url("redis+sentinel://u:p%40ss@s1:26379,s2:26380/mymaster/2?sentinel_password=sp")
+    assert (sentinel.kind, sentinel.nodes, sentinel.service, sentinel.db) == (
+        "sentinel", (("s1", 26379), ("s2", 26380)), "mymaster", 2)
+    assert (sentinel.username, sentinel.password, sentinel.sentinel_password) == ("u", "p@ss", "sp")
+    cluster = parse_redis_url("rediss+cluster://r0:6379,r1:6379")
+    assert (cluster.kind, cluster.nodes, cluster.ssl, cluster.db) == ("cluster", (("r0", 6379), ("r1", 6379)), True, 0)
+    assert parse_redis_url("redis://h:1/0").kind == "server"
+
+
+@pytest.mark.parametrize("url, message", [
+    ("redis+sentinel://s1:26379", "names the master's service"),
+    ("redis+sentinel://s1/mymaster", "is not host:port"),
+    ("redis+cluster://r0:6379/3", "a Cluster has only db 0"),
+    ("redis+mesh://r0:6379", "must start with one of"),
+    ("rediss+sentinel://s1:26379/m", "must start with one of"),
+])
+def test_bad_sentinel_and_cluster_urls_are_refused_with_the_reason(url, message):
+    with pytest.raises(SettingsError) as err:
+        build_settings({"redis_url": url}, environ={})
+    assert "redis_url" in str(err.value) and message in str(err.value)
+
+
+def test_sentinel_passwords_are_redacted_too():
+    url = "redis+sentinel://u:s3cret@s1:26379/m/0?sentinel_password=t0p&socket_timeout=1"
+    assert redact_url(url) == "redis+sentinel://u:***@s1:26379/m/0?sentinel_password=***&socket_timeout=1"
+    with pytest.raises(SettingsError) as err:
+        build_settings({"redis_url": "redis+sentinel://:s3cret@s1/m?sentinel_password=t0p"}, environ={})
+    assert "s3cret" not in str(err.value) and "t0p" not in str(err.value)
