@@ -237,3 +237,58 @@ async def test_a_retry_of_the_same_call_goes_to_another_pod():
     assert first["litellm_params"]["api_base"].startswith(PODS[0])
     assert not retry["litellm_params"]["api_base"].startswith(PODS[0])  # the pod that just failed is avoided
     assert other["litellm_params"]["api_base"].startswith(PODS[0])  # a new request still gets affinity
+
+
+BAD_HOOK_INPUTS = [None, {}, {"litellm_call_id": None}, {"litellm_call_id": "c", "model_info": "not a dict"},
+                   {"litellm_call_id": "c", "litellm_params": {"api_base": 42}}, {"litellm_call_id": ["unhashable"]}]
+
+
+@pytest.mark.parametrize("data", BAD_HOOK_INPUTS, ids=range(len(BAD_HOOK_INPUTS)))
+async def test_in_flight_hooks_never_raise_on_odd_input(monkeypatch, data):
+    from litellm.proxy import proxy_server
+
+    router = litellm.Router(model_list=wildcard_list())
+    monkeypatch.setattr(proxy_server, "llm_router", router)
+    monkeypatch.setattr(proxy_server, "user_config_file_path", None)
+    plugin = ProxyPlugin()
+    strategy = plugin.ensure_installed()
+    try:
+        kwargs = data if isinstance(data, dict) else {}
+        assert await plugin.async_pre_call_deployment_hook(kwargs, None) is None
+        assert await plugin.async_post_call_success_deployment_hook(kwargs, None, None) is None
+        await plugin.async_log_success_event(data, None, None, None)
+        await plugin.async_log_failure_event(data, None, None, None)
+        assert await plugin.async_post_call_failure_hook(data, RuntimeError("x"), None) is None
+
+        async def chunks():
+            yield "a"
+            yield "b"
+
+        assert [c async for c in plugin.async_post_call_streaming_iterator_hook(None, chunks(), data)] == ["a", "b"]
+        assert len(strategy.fleet.inflight) == 0
+    finally:
+        plugin._watcher and plugin._watcher.cancel()
+        strategy.stop()
+
+
+async def test_in_flight_hooks_count_a_call_once_and_end_it_once(monkeypatch):
+    from litellm.proxy import proxy_server
+
+    router = litellm.Router(model_list=wildcard_list())
+    monkeypatch.setattr(proxy_server, "llm_router", router)
+    monkeypatch.setattr(proxy_server, "user_config_file_path", None)
+    plugin = ProxyPlugin()
+    strategy = plugin.ensure_installed()
+    try:
+        call = {"litellm_call_id": "c1", "litellm_params": {"api_base": PODS[1] + "/v1"}}
+        await plugin.async_pre_call_deployment_hook(call, None)
+        await plugin.async_pre_call_deployment_hook(call, None)  # a second hook for the same call
+        assert strategy.fleet.inflight.counts() == {PODS[1]: 1}
+        await plugin.async_post_call_success_deployment_hook({**call, "stream": True}, None, None)
+        assert strategy.fleet.inflight.counts() == {PODS[1]: 1}  # a stream has only started
+        await plugin.async_log_success_event(call, None, None, None)
+        await plugin.async_log_failure_event(call, None, None, None)  # a late second ending: no-op
+        assert strategy.fleet.inflight.counts() == {}
+    finally:
+        plugin._watcher and plugin._watcher.cancel()
+        strategy.stop()

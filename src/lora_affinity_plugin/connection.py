@@ -74,35 +74,39 @@ def parse_redis_url(url: str) -> RedisTarget:
                        scheme.startswith("rediss"))
 
 
+@dataclass(frozen=True)
+class _Flavour:
+    """redis-py's classes for one I/O style: the asyncio ones or the blocking ones."""
+
+    from_url: Any
+    sentinel: Any
+    cluster: Any
+    node: Any
+
+
+_ASYNC = _Flavour(aioredis.from_url, AsyncSentinel, aioredis.RedisCluster, AsyncClusterNode)
+_SYNC = _Flavour(redis.Redis.from_url, Sentinel, redis.RedisCluster, ClusterNode)
+
+
 def async_client(url: str, timeout_s: float, *, blocking: bool = False) -> Any:
     """An asyncio client; `blocking` ones (pub/sub) wait for messages without a read timeout."""
-    target = parse_redis_url(url)
-    options: dict[str, Any] = {"socket_timeout": None if blocking else timeout_s, "socket_connect_timeout": timeout_s}
-    if target.kind == "server":
-        return aioredis.from_url(url, health_check_interval=30, **options)
-    auth = {"username": target.username, "password": target.password}
-    if target.kind == "sentinel":
-        sentinel = AsyncSentinel(list(target.nodes), sentinel_kwargs={"password": target.sentinel_password, **options},
-                                 **options)
-        return sentinel.master_for(target.service, db=target.db, **auth)
-    return aioredis.RedisCluster(startup_nodes=[AsyncClusterNode(h, p) for h, p in target.nodes], ssl=target.ssl,
-                                 **auth, **options)
+    return _client(_ASYNC, url, {"socket_timeout": None if blocking else timeout_s,
+                                 "socket_connect_timeout": timeout_s}, health_check_interval=30)
 
 
 def sync_client(url: str, timeout_s: float = 5.0) -> Any:
     """A blocking client for the command line (`thresholds`, `status`, `explain`)."""
+    return _client(_SYNC, url, {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s})
+
+
+def _client(flavour: _Flavour, url: str, options: dict[str, Any], **server_options: Any) -> Any:
     target = parse_redis_url(url)
-    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if target.kind == "server":
-        return redis.Redis.from_url(url, **options)
+        return flavour.from_url(url, **server_options, **options)
     auth = {"username": target.username, "password": target.password}
     if target.kind == "sentinel":
-        sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"password": target.sentinel_password, **options},
-                            **options)
+        sentinel = flavour.sentinel(list(target.nodes), sentinel_kwargs={"password": target.sentinel_password, **options},
+                                    **options)
         return sentinel.master_for(target.service, db=target.db, **auth)
-    return redis.RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], ssl=target.ssl,
-                              **auth, **options)
-
-
-def is_cluster(url: str) -> bool:
-    return parse_redis_url(url).kind == "cluster"
+    return flavour.cluster(startup_nodes=[flavour.node(h, p) for h, p in target.nodes], ssl=target.ssl,
+                           **auth, **options)

@@ -14,6 +14,7 @@ process sent to a pod since that pod's last scrape, so replicas reading one snap
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -34,7 +35,6 @@ class InFlight:
 
     def __init__(self) -> None:
         self._calls: dict[str, Dispatch] = {}
-        self._counts: dict[str, int] = {}
         self.swept = 0
 
     def get(self, call_id: str) -> Dispatch | None:
@@ -42,41 +42,28 @@ class InFlight:
 
     def begin(self, call_id: str, pod: str, adapter: str | None, at: float) -> Dispatch | None:
         """Count `call_id` on `pod`; returns the dispatch it replaces (a retry of the same call)."""
-        previous = self._calls.get(call_id)
-        if previous is not None:
-            self._drop(call_id, previous)
+        previous = self._calls.pop(call_id, None)
         self._calls[call_id] = Dispatch(pod, adapter, at)
-        self._counts[pod] = self._counts.get(pod, 0) + 1
         return previous
 
     def end(self, call_id: str) -> Dispatch | None:
         """Release `call_id`; later calls for the same id are no-ops (hooks overlap)."""
-        dispatch = self._calls.get(call_id)
-        if dispatch is not None:
-            self._drop(call_id, dispatch)
-        return dispatch
+        return self._calls.pop(call_id, None)
 
     def sweep(self, started_before: float) -> list[tuple[str, Dispatch]]:
         """Release entries no ending hook released in time (a leak in the host, or a lost hook)."""
         stale = [(call_id, d) for call_id, d in self._calls.items() if d.at < started_before]
-        for call_id, dispatch in stale:
-            self._drop(call_id, dispatch)
+        for call_id, _ in stale:
+            del self._calls[call_id]
         self.swept += len(stale)
         return stale
 
     def counts(self) -> dict[str, int]:
-        return dict(self._counts)
+        """Unfinished requests per pod (read once per refresh, so counted then)."""
+        return dict(Counter(d.pod for d in self._calls.values()))
 
     def __len__(self) -> int:
         return len(self._calls)
-
-    def _drop(self, call_id: str, dispatch: Dispatch) -> None:
-        del self._calls[call_id]
-        left = self._counts[dispatch.pod] - 1
-        if left:
-            self._counts[dispatch.pod] = left
-        else:
-            del self._counts[dispatch.pod]
 
 
 def encode_share(counts: Mapping[str, int], recent: Mapping[str, Sequence[tuple[float, str | None]]]) -> str:
@@ -96,19 +83,30 @@ class PeerShare:
 
 def decode_shares(raws: Iterable[bytes | None]) -> PeerShare:
     """Peers' tables summed; an unreadable one is skipped (it expires by itself)."""
+    return merge_shares(share for share in map(_decode_share, raws) if share is not None)
+
+
+def _decode_share(raw: bytes | None) -> PeerShare | None:
+    if raw is None:
+        return None
+    try:
+        pods = json.loads(raw)["pods"]
+        return PeerShare({pod: int(entry["n"]) for pod, entry in pods.items()},
+                         {pod: [(float(at), adapter) for at, adapter in entry["recent"]]
+                          for pod, entry in pods.items() if entry["recent"]})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def merge_shares(shares: Iterable[PeerShare]) -> PeerShare:
+    """Several processes' tables as one: counts summed, dispatches pooled."""
     counts: dict[str, int] = {}
     recent: dict[str, list[tuple[float, str | None]]] = {}
-    for raw in raws:
-        if raw is None:
-            continue
-        try:
-            pods = json.loads(raw)["pods"]
-            for pod, entry in pods.items():
-                counts[pod] = counts.get(pod, 0) + int(entry["n"])
-                if entry["recent"]:
-                    recent.setdefault(pod, []).extend((float(at), adapter) for at, adapter in entry["recent"])
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
+    for share in shares:
+        for pod, n in share.counts.items():
+            counts[pod] = counts.get(pod, 0) + n
+        for pod, entries in share.recent.items():
+            recent.setdefault(pod, []).extend(entries)
     return PeerShare(counts, recent)
 
 
@@ -142,5 +140,5 @@ return {redis.call('ZRANGE', KEYS[1], 0, -1), values}
 def read_shared(client: Any, prefix: str) -> tuple[int, dict[str, int]]:
     """(processes sharing, in-flight requests per pod) as peers see them; a sync client (ops, tests)."""
     members = client.zrange(members_key(prefix), 0, -1)
-    raws = [client.get(inflight_key(prefix, m.decode())) for m in members]
+    raws = client.mget([inflight_key(prefix, m.decode()) for m in members]) if members else []
     return sum(raw is not None for raw in raws), decode_shares(raws).counts

@@ -25,7 +25,7 @@ from .lease import lease_key
 from .pods import discover_pods
 from .scheduling import RouteRequest, SchedulingError, choose_pod
 from .settings import Settings, SettingsError, load_config, settings_from_config
-from .store import PodRecord, pod_key
+from .store import PodRecord, decode_records, pod_key
 
 
 def add_ops_arguments(sub) -> None:
@@ -131,9 +131,8 @@ def _records(client: redis.Redis, settings: Settings, pods: list[str]) -> dict[s
     if not pods:
         pattern = pod_key(settings, "*")
         pods = sorted(k.decode().split(":pod:", 1)[1] for k in client.scan_iter(match=pattern, count=1000))
-    raws = client.mget([pod_key(settings, p) for p in pods]) if pods else []
-    return {p: PodRecord.from_json(r) for p, r in zip(pods, raws) if r is not None} | {
-        p: None for p, r in zip(pods, raws) if r is None}
+    records = decode_records(pods, client.mget([pod_key(settings, p) for p in pods])) if pods else {}
+    return {p: records.get(p) for p in pods}
 
 
 def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: float) -> list[dict]:

@@ -42,7 +42,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
     """Routes each request of a managed model group to the pod that should serve it."""
 
     def __init__(self, router: litellm.Router, settings: Settings, *, rng: random.Random | None = None,
-                 fleet: FleetView | None = None) -> None:
+                 fleet: FleetView | None = None, hooks_end_calls: bool = False) -> None:
         self.router = router
         self.base_settings = settings
         """The file and environment; live values from Redis are applied on top."""
@@ -58,7 +58,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self._refresher: asyncio.Task | None = None
         self.decisions = 0
         self.fallbacks = 0
-        self.hooks_end_calls = False
+        self.hooks_end_calls = hooks_end_calls
         """True under `ProxyPlugin`, whose LiteLLM hooks end each call: then decisions count by call id."""
 
     # --- LiteLLM's interface -------------------------------------------------------------------
@@ -248,9 +248,10 @@ class _DeploymentIndex:
 
 
 def install(router: litellm.Router, settings: Settings | None = None, *, rng: random.Random | None = None,
-            fleet: FleetView | None = None) -> LoraAffinityStrategy:
+            fleet: FleetView | None = None, hooks_end_calls: bool = False) -> LoraAffinityStrategy:
     """Install the strategy on a `litellm.Router`; returns it. Call again after a router is rebuilt."""
-    strategy = LoraAffinityStrategy(router, settings or build_settings({}), rng=rng, fleet=fleet)
+    strategy = LoraAffinityStrategy(router, settings or build_settings({}), rng=rng, fleet=fleet,
+                                    hooks_end_calls=hooks_end_calls)
     router.set_custom_routing_strategy(strategy)
     strategy.ensure_refresher()
     return strategy
@@ -327,8 +328,7 @@ class ProxyPlugin(CustomLogger):
         if strategy is None:
             if self._strategy is not None:
                 self._strategy.stop()  # the router was rebuilt or reset: one refresher at a time
-            strategy = self._strategy = install(router, self.settings(), fleet=self._fleet)
-            strategy.hooks_end_calls = True
+            strategy = self._strategy = install(router, self.settings(), fleet=self._fleet, hooks_end_calls=True)
             logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
                         self.settings().redacted_redis_url())
         return strategy

@@ -15,7 +15,7 @@ from ..scheduling import PodMetrics
 REFERENCE_PAGE = "synthetic_full_page_v1_48k.txt"
 
 
-def _find_page() -> Path:
+def reference_page() -> Path:
     here = Path(__file__).resolve()
     for root in (here.parents[3] / "tests" / "fixtures" / "vllm-metrics", here.parents[4] / "shared" / "fixtures" / "vllm-metrics"):
         if (root / REFERENCE_PAGE).exists():
@@ -53,7 +53,7 @@ def _time(fn, text: str, rounds: int) -> list[float]:
 
 
 def run_parse(args: argparse.Namespace) -> int:
-    path = _find_page()
+    path = reference_page()
     text = path.read_text()
     full = lambda t: list(text_string_to_metric_families(t))  # noqa: E731  (the issue's "naive full parse")
     ours_all, full_all = [], []

@@ -23,7 +23,7 @@ from ..processes import Proc, free_port, free_port_range, redis_server, wait_por
 from ..scheduling import PodMetrics
 from ..scraper import Scraper
 from ..settings import build_settings
-from .parse import _find_page, full_parse
+from .parse import full_parse, reference_page
 
 GOAL_CORES = 1.0
 
@@ -59,7 +59,7 @@ async def _measure(scraper: Scraper, seconds: float, interval_s: float) -> dict:
 
 def run_scrape_scale(args: argparse.Namespace) -> int:
     count, interval_ms, seconds = args.pods, 200, args.seconds
-    page = _find_page()
+    page = reference_page()
     workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-scrape-scale-"))
     redis_port, base = free_port(), free_port_range(count)
     store = redis_server(redis_port, workdir, allow_embedded=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..bench.results import RequestOutcome, Result, summarize
 from ..bench.scenarios import Scenario
-from ..inflight import PeerShare
+from ..inflight import merge_shares
 from .engine import EngineConfig, ReplicaEngine, Sequence
 from .policies import make_policy
 
@@ -175,7 +175,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             for g, policy in enumerate(policies):
                 others = [t for i, t in enumerate(data) if i != g and t is not None]
                 if others:
-                    policy.peers(_merge(others))
+                    policy.peers(merge_shares(others))
         elif kind == "visible":
             snapshots, gpu, scraped_at = data
             for policy in policies:
@@ -184,13 +184,3 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     ordered = [outcomes[r.index] for r in requests]
     return summarize(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
 
-
-def _merge(tables: list[PeerShare]) -> PeerShare:
-    counts: dict[str, int] = {}
-    recent: dict[str, list] = {}
-    for table in tables:
-        for pod, n in table.counts.items():
-            counts[pod] = counts.get(pod, 0) + n
-        for pod, entries in table.recent.items():
-            recent.setdefault(pod, []).extend(entries)
-    return PeerShare(counts, recent)
