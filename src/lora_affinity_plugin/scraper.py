@@ -2,7 +2,7 @@
 
 One pooled HTTP session per event loop (the lesson of pooling the proxy's client: never one client
 per call), private to scraping so scrapes never queue behind the proxy's busy streams. It is aiohttp's:
-at 256 pods every 200 ms, httpx's pool cost ~8 ms of CPU per scrape against ~0.3 ms for aiohttp's
+at 256 pods every 200 ms, httpx's pool cost ~9 ms of CPU per scrape against ~0.4 ms for aiohttp's
 (`lora-affinity bench --scenario scrape-scale`).
 """
 
