@@ -97,6 +97,8 @@ class Settings(BaseModel):
     shedding: bool = True
     """Off: sheddable requests are served like critical ones (never 429)."""
     sheddable_model_groups: list[str] = Field(default_factory=list)
+    pooled_clients: bool = True
+    """Hand LiteLLM one pooled upstream client per deployment (it opens a connection per text completion otherwise)."""
     adapter_info_key: str = "lora_adapter"
     """model_info key naming a deployment's adapter explicitly."""
 

@@ -30,6 +30,7 @@ from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
+from .pooling import PooledClients
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
 from .scheduling import NoCapacity, RouteRequest, Shed, choose_pod
 from .settings import Settings, build_settings, load_config, settings_from_config
@@ -54,6 +55,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.fleet = fleet or FleetView(settings)
         self.rng = rng or random.Random()
         self._index = _DeploymentIndex()
+        self.pools = PooledClients()
         self._fallback = Episode(logger, "routing by metrics unavailable, picking like simple-shuffle")
         self._refresher: asyncio.Task | None = None
         self.decisions = 0
@@ -71,7 +73,13 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         request_kwargs: dict | None = None,
     ) -> dict:
         self.ensure_refresher()
-        request_kwargs = request_kwargs if request_kwargs is not None else {}
+        deployment = await self._route(model, messages, input, specific_deployment,
+                                       request_kwargs if request_kwargs is not None else {})
+        if self.settings.pooled_clients:
+            self.pools.ensure(self.router, deployment)
+        return deployment
+
+    async def _route(self, model: str, messages, input, specific_deployment, request_kwargs: dict) -> dict:
         if not self._manages(model):
             return await type(self.router).async_get_available_deployment(
                 self.router, model=model, messages=messages, input=input,

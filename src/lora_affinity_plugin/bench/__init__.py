@@ -15,6 +15,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--minutes", type=float, default=2.0, help="soak: how long to run")
     parser.add_argument("--rate", type=float, default=20.0, help="soak: Poisson arrivals per second")
+    parser.add_argument("--repeat", type=int, default=1, help="pooling: runs per strategy (integrity counts)")
     parser.add_argument("--requests", type=int, help="override the scenario's request count (quick runs)")
     parser.add_argument("--json", dest="json_path", help="write the results as a JSON list to this path")
     parser.add_argument("--chart", default="bench-out/bench.png", help="where to write the PNG chart")
@@ -28,7 +29,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", "parse", "scrape-scale", "soak", *SCENARIOS]
+    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -40,6 +41,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .soak import run_soak
 
         return run_soak(args)
+    if args.scenario == "pooling":
+        from .pooling import run_pooling
+
+        return run_pooling(args)
     if args.scenario == "parse":
         from .parse import run_parse
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..sim.policies import STRATEGY_NAMES
 from .results import Result, format_table, median_result, write_chart, write_json
 from .scenarios import get_scenario, with_overrides
+from .transport import TransportStats, format_transport_table
 
 LIVE_DEFAULT = ["per-connection-random", "simple-shuffle", "least-busy", "latency-based-routing",
                 "usage-based-routing-v2", "gie-v0.2", "lora-affinity"]
@@ -41,6 +42,9 @@ def run_compare(args: argparse.Namespace) -> int:
         one.strategy = "lora-affinity, 1 gateway"
         results.append(one)
     print(format_table(results))
+    if args.mode == "live":
+        print(format_transport_table([(r.strategy, TransportStats.from_dict(r.transport))
+                                      for r in results if r.transport]))
     if args.gateways > 1 and "lora-affinity" in strategies:
         print(gateways_summary(results, args.gateways))
     if args.json_path:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import redis
@@ -36,9 +37,11 @@ from ..sim.policies import GIE_V02, UNSHARED
 from .loadgen import run_load
 from .results import Result, summarize
 from .scenarios import Scenario
+from .transport import TransportProbe
 
 LITELLM_BUILTINS = {"simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2"}
-PLUGIN_RULES = {"lora-affinity": {}, "lora-affinity-unshared": UNSHARED, "gie-v0.2": GIE_V02}
+PLUGIN_RULES = {"lora-affinity": {}, "lora-affinity-unshared": UNSHARED, "gie-v0.2": GIE_V02,
+                "lora-affinity-unpooled": {"pooled_clients": False}}
 LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random"}
 DEFAULT_SPEED = 10.0
 
@@ -65,6 +68,7 @@ class Fleet:
         self.procs: list[Proc] = []
         self.base_port = 0
         self.proxy_ports: list[int] = []
+        self.proxies: list[Proc] = []
 
     def __enter__(self) -> Fleet:
         try:
@@ -113,6 +117,7 @@ class Fleet:
         proxies = [start_litellm_proxy(config_path, port, self.workdir, f"proxy-{self.strategy}-{g}", env=env)
                    for g, port in enumerate(self.proxy_ports)]
         self.procs += proxies
+        self.proxies = proxies
         for proc, port in zip(proxies, self.proxy_ports):
             wait_proxy(proc, port)
         time.sleep(max(0.5, 1.0 / self.speed * 5))  # a few scrapes reach every proxy's view
@@ -142,6 +147,9 @@ class Fleet:
                 config["router_settings"].update({"redis_host": "127.0.0.1", "redis_port": self.redis_port})
         return config
 
+    def transport_probe(self) -> TransportProbe:
+        return TransportProbe(self.replica_urls, [p.popen.pid for p in self.proxies], [p.log_path for p in self.proxies])
+
     def served_per_replica(self) -> list[int]:
         counts = []
         for url in self.replica_urls:
@@ -156,17 +164,22 @@ class Fleet:
 
 
 def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
-                 workdir: Path, bar: tqdm | None = None, config_path: Path | None = None) -> Result:
+                 workdir: Path, bar: tqdm | None = None, config_path: Path | None = None,
+                 after_load: Callable[[Fleet, Result], None] | None = None) -> Result:
     if strategy not in LIVE_STRATEGIES:
         raise SystemExit(f"strategy {strategy!r} runs in fast mode only; live: {', '.join(sorted(LIVE_STRATEGIES))}")
     with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path) as fleet:
         if bar is not None:
             bar.set_description(strategy)
+        probe = fleet.transport_probe()
         outcomes, duration = asyncio.run(run_load(
             scenario, fleet.targets, speed, seed, api_key=MASTER_KEY,
             per_connection=strategy == "per-connection-random", on_done=bar.update if bar else None))
         result = summarize(strategy, scenario.name, "live", outcomes, duration, scenario.replicas)
+        result.transport = probe.stop(len(outcomes)).to_dict()
         result.per_replica = fleet.served_per_replica()
+        if after_load is not None:
+            after_load(fleet, result)
     return result
 
 

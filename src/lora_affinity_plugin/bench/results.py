@@ -35,6 +35,8 @@ class Result:
     per_replica: list[int] = field(default_factory=list)
     seeds: int = 1
     error_kinds: dict[str, int] = field(default_factory=dict)
+    transport: dict = field(default_factory=dict)
+    """Live mode: connections per pod, proxy sockets and CPU (see transport.py)."""
 
     @property
     def req_per_s(self) -> float:

@@ -72,6 +72,21 @@ def render_metrics(replica: LiveReplica, base_model: str) -> str:
     for reason, count in engine.finished_by_reason.items():
         lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{base_model}"}} '
                      f"{float(count)}")
+    conn = replica.connections
+    lines += [
+        "# HELP sim_connections_accepted_total TCP connections this replica accepted (simulator only).",
+        "# TYPE sim_connections_accepted_total counter",
+        f"sim_connections_accepted_total {float(conn.accepted)}",
+        "# HELP sim_connections_idle_closed_total Connections the server closed after its keep-alive timeout.",
+        "# TYPE sim_connections_idle_closed_total counter",
+        f"sim_connections_idle_closed_total {float(conn.idle_closed)}",
+        "# HELP sim_connections_open TCP connections open now (simulator only).",
+        "# TYPE sim_connections_open gauge",
+        f"sim_connections_open {float(conn.open)}",
+        "# HELP sim_requests_in_flight_peak Most inference requests in flight at once (simulator only).",
+        "# TYPE sim_requests_in_flight_peak gauge",
+        f"sim_requests_in_flight_peak {float(conn.peak_in_flight)}",
+    ]
     for name, buckets in _HISTOGRAMS.items():
         lines += [f"# HELP {name} Histogram of {name.split(':')[1].replace('_', ' ')}.", f"# TYPE {name} histogram"]
         for i, le in enumerate(buckets):

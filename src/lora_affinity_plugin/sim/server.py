@@ -20,11 +20,56 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from .engine import EngineConfig, ReplicaEngine, Sequence
 from .metrics_page import render_metrics
 
 DISCONNECT_POLL_S = 0.05
+
+
+class ConnectionStats:
+    """What a replica's clients do with TCP: how many connections they open, and how many requests overlap.
+
+    A pooled client opens at most as many connections as it has requests in flight at once; one that
+    opens a connection per request shows up as `accepted` close to the request count.
+    """
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.idle_closed = 0
+        """Connections this server closed after `--keep-alive-s` idle: each forces a client to open another."""
+        self.open = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def request_ended(self) -> None:
+        self.in_flight -= 1
+
+
+def counting_protocol(stats: ConnectionStats) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, counting the connections it accepts and closes."""
+
+    class CountingProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport) -> None:
+            stats.accepted += 1
+            stats.open += 1
+            super().connection_made(transport)
+
+        def connection_lost(self, exc) -> None:
+            stats.open -= 1
+            super().connection_lost(exc)
+
+        def timeout_keep_alive_handler(self) -> None:
+            if not self.transport.is_closing():
+                stats.idle_closed += 1
+            super().timeout_keep_alive_handler()
+
+    return CountingProtocol
 
 
 class LiveReplica:
@@ -41,6 +86,7 @@ class LiveReplica:
         self._streams: dict[int, asyncio.Queue] = {}
         self._t0 = time.monotonic()
         self.lora_history: list[tuple[float, str, str]] = []
+        self.connections = ConnectionStats()
 
     def now(self) -> float:
         """Simulated seconds since start."""
@@ -103,6 +149,18 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
 
     async def completions(request: Request):
+        replica.connections.request_started()
+        try:
+            response = await _completions(request)
+        except BaseException:
+            replica.connections.request_ended()
+            raise
+        if isinstance(response, StreamingResponse):  # ends with its body: see _stream
+            return response
+        replica.connections.request_ended()
+        return response
+
+    async def _completions(request: Request):
         try:
             body = await request.json()
         except json.JSONDecodeError:
@@ -162,6 +220,7 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
             yield "data: [DONE]\n\n"
         finally:
             replica.release(seq)  # a disconnect mid-stream aborts the request
+            replica.connections.request_ended()
 
     async def models(_: Request):
         names = [base_model, *sorted(replica.adapters or replica.engine.cpu)]
@@ -202,6 +261,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-output-tokens", type=int, default=1, help="floor of the drawn output length")
     parser.add_argument("--residency-metric", action="store_true",
                         help="expose vllm:lora_adapter_loaded{adapter_name,level} (proposed upstream)")
+    parser.add_argument("--keep-alive-s", type=float, default=5.0,
+                        help="close connections idle this long (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5)")
     parser.set_defaults(func=run_sim)
 
 
@@ -222,6 +283,7 @@ async def serve(args: argparse.Namespace) -> None:
     replicas = build_replicas(args)
     servers = [
         uvicorn.Server(uvicorn.Config(make_app(rep, args.base_model, args.metrics_token), host=args.host, port=args.base_port + i,
+                                      http=counting_protocol(rep.connections), timeout_keep_alive=args.keep_alive_s,
                                       log_level="warning", access_log=False, timeout_graceful_shutdown=1))
         for i, rep in enumerate(replicas)
     ]

@@ -1,0 +1,142 @@
+"""What a live run does to TCP: connections each pod accepted, the proxies' open sockets, their CPU,
+and LiteLLM's "Unclosed client session" warnings (an aiohttp session left to the garbage collector).
+
+The simulator counts accepted connections and the peak of requests in flight per replica; a pooled
+client opens at most as many connections as it has requests in flight at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+UNCLOSED = "Unclosed client session"
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def replica_counters(url: str) -> tuple[int, int, int]:
+    """(connections accepted, closed idle by the server, peak requests in flight) from a simulated replica."""
+    page = httpx.get(url + "/metrics", timeout=5).text
+
+    def value(name: str) -> int:
+        found = re.search(rf"^{name} (\S+)", page, re.M)
+        return int(float(found.group(1))) if found else 0
+
+    return (value("sim_connections_accepted_total"), value("sim_connections_idle_closed_total"),
+            value("sim_requests_in_flight_peak"))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process (the proxy serves in its main process with --num_workers 1)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def open_sockets(pid: int) -> int:
+    count = 0
+    for fd in os.scandir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(fd.path).startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
+@dataclass
+class TransportStats:
+    requests: int = 0
+    connections: list[int] = field(default_factory=list)
+    """Per replica: TCP connections accepted during the load."""
+    idle_closed: list[int] = field(default_factory=list)
+    """Per replica: connections the server closed for idleness during the load (each one may be reopened)."""
+    peak_in_flight: list[int] = field(default_factory=list)
+    """Per replica: most requests in flight at once."""
+    proxy_sockets: dict[str, int] = field(default_factory=dict)
+    """The proxies' open sockets sampled over the run: median and max (summed over proxies)."""
+    unclosed_sessions: int = 0
+    proxy_cpu_ms_per_request: float = 0.0
+
+    @property
+    def connections_per_1k(self) -> float:
+        return 1000 * sum(self.connections) / self.requests if self.requests else 0.0
+
+    @property
+    def pooled(self) -> bool:
+        """The goal: no pod saw more new connections than its peak of requests in flight, plus one for each
+        connection the server itself closed when idle (vLLM closes after 5 s; the client must reopen)."""
+        return all(c <= p + i for c, p, i in zip(self.connections, self.peak_in_flight, self.idle_closed))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TransportStats:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "connections_per_1k": round(self.connections_per_1k, 1), "pooled": self.pooled}
+
+
+class TransportProbe:
+    """Started before the load and stopped after it; samples the proxies' sockets in a thread."""
+
+    def __init__(self, replica_urls: list[str], proxy_pids: list[int], proxy_logs: list[Path]) -> None:
+        self.replica_urls, self.proxy_pids, self.proxy_logs = replica_urls, proxy_pids, proxy_logs
+        self._before = [replica_counters(u) for u in replica_urls]
+        self._cpu_before = sum(map(cpu_seconds, proxy_pids))
+        self._unclosed_before = sum(_count(p, UNCLOSED) for p in proxy_logs)
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self._samples.append(sum(map(open_sockets, self.proxy_pids)))
+            except OSError:  # a proxy exited: the run's errors will say so
+                return
+
+    def stop(self, requests: int) -> TransportStats:
+        self._stop.set()
+        self._thread.join()
+        after = [replica_counters(u) for u in self.replica_urls]
+        cpu = sum(map(cpu_seconds, self.proxy_pids)) - self._cpu_before if self.proxy_pids else 0.0
+        samples = self._samples or [0]
+        return TransportStats(
+            requests=requests,
+            # minus the connection of the reading that counted `after` itself
+            connections=[a[0] - b[0] - 1 for a, b in zip(after, self._before)],
+            idle_closed=[a[1] - b[1] for a, b in zip(after, self._before)],
+            peak_in_flight=[a[2] for a in after],
+            proxy_sockets={"median": int(statistics.median(samples)), "max": max(samples)} if self.proxy_pids else {},
+            unclosed_sessions=sum(_count(p, UNCLOSED) for p in self.proxy_logs) - self._unclosed_before,
+            proxy_cpu_ms_per_request=round(1000 * cpu / requests, 2) if requests else 0.0,
+        )
+
+
+def _count(path: Path, needle: str) -> int:
+    try:
+        return path.read_text(errors="replace").count(needle)
+    except OSError:
+        return 0
+
+
+def format_transport_table(rows: list[tuple[str, TransportStats]]) -> str:
+    head = (f"{'strategy':<26}{'conns/1k req':>13}{'conns per pod':>15}{'peak in flight':>16}{'idle-closed':>13}"
+            f"{'pooled':>8}"
+            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}")
+    lines = [head, "-" * len(head)]
+    for name, t in rows:
+        sockets = f"{t.proxy_sockets.get('median', 0)}/{t.proxy_sockets.get('max', 0)}" if t.proxy_sockets else "-"
+        lines.append(f"{name:<26}{t.connections_per_1k:>13.0f}{_span(t.connections):>15}{_span(t.peak_in_flight):>16}"
+                     f"{_span(t.idle_closed):>13}{'yes' if t.pooled else 'no':>8}{sockets:>23}{t.unclosed_sessions:>10}"
+                     f"{t.proxy_cpu_ms_per_request:>12.2f}")
+    return "\n".join(lines)
+
+
+def _span(values: list[int]) -> str:
+    return f"{min(values)}-{max(values)}" if values else "-"
