@@ -1,0 +1,165 @@
+"""Upstream connections through a real proxy: pooled with the plugin, one per text completion without.
+
+Real processes: redis-server, simulated vLLM replicas (which count the TCP connections they accept),
+the scraper and two `litellm --config` proxies with the plugin, one with `pooled_clients: false`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+
+import httpx
+import pytest
+from procs import (
+    MASTER_KEY,
+    Proc,
+    free_port,
+    free_port_range,
+    litellm_proxy,
+    lora_affinity,
+    redis_server,
+    wait_port,
+    write_config,
+)
+
+CONCURRENCY = 20
+ADAPTERS = ["sql-lora", "tweet-summary"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pooling")
+    base = free_port_range(2)
+    redis_port, pooled_port, unpooled_port = (next(p for p in iter(free_port, None) if p not in (base, base + 1))
+                                              for _ in range(3))
+    procs: list[Proc] = []
+    store = redis_server(redis_port, tmp)
+    try:
+        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
+                                  "--base-port", str(base), "--speed", "5", "--warm-adapters", ",".join(ADAPTERS),
+                                  "--min-output-tokens", "20", "--keep-alive-s", "60"], tmp))
+        replicas = [base, base + 1]
+        for p in replicas:
+            wait_port(p)
+        pooled = write_config(tmp / "pooled.yaml", replicas, redis_port)
+        # Its own key prefix: pooled_clients is a live setting, and the other proxy published `true`.
+        unpooled = write_config(tmp / "unpooled.yaml", replicas, redis_port, pooled_clients=False, key_prefix="unpooled")
+        procs.append(lora_affinity(["scrape", "--config", str(pooled)], tmp, "scraper"))
+        proxies = {"pooled": litellm_proxy(pooled, pooled_port, tmp, "proxy-pooled"),
+                   "unpooled": litellm_proxy(unpooled, unpooled_port, tmp, "proxy-unpooled")}
+        procs += proxies.values()
+        time.sleep(0.5)
+        reader = httpx.Client(timeout=5)  # keeps its connection to each replica: readings open none
+        yield {"reader": reader, "urls": {"pooled": f"http://127.0.0.1:{pooled_port}", "unpooled": f"http://127.0.0.1:{unpooled_port}"},
+               "proxies": proxies, "replicas": [f"http://127.0.0.1:{p}" for p in replicas]}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        store.stop()
+
+
+_COUNTERS = {"accepted": r"^sim_connections_accepted_total (\S+)", "idle_closed": r"^sim_connections_idle_closed_total (\S+)",
+             "open": r"^sim_connections_open (\S+)", "peak": r"^sim_requests_in_flight_peak (\S+)",
+             "aborted": r'finished_reason="abort"[^}]*\} (\S+)'}
+
+
+def replica_counters(stack) -> list[dict[str, int]]:
+    pages = [stack["reader"].get(url + "/metrics").text for url in stack["replicas"]]
+    return [{key: int(float(re.search(pattern, page, re.M).group(1))) for key, pattern in _COUNTERS.items()}
+            for page in pages]
+
+
+def sim_counters(stack) -> dict[str, int]:
+    """Summed over the replicas."""
+    per_replica = replica_counters(stack)
+    return {key: sum(r[key] for r in per_replica) for key in _COUNTERS}
+
+
+async def _load(url: str, requests: int, *, stream_share: float = 0.0, abandon_share: float = 0.0) -> dict[str, int]:
+    """Text completions, CONCURRENCY at a time; a share streamed, a share of those hung up after 2 chunks."""
+    outcome = {"completed": 0, "abandoned": 0, "bad": 0}
+    headers = {"Authorization": f"Bearer {MASTER_KEY}"}
+    semaphore = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        stream = i < requests * stream_share
+        abandon = stream and i < requests * abandon_share
+        body = {"model": ADAPTERS[i % 2], "prompt": "Is the Necronomicon in it?", "max_tokens": 30, "stream": stream}
+        async with semaphore:
+            if not stream:
+                response = await client.post(url + "/v1/completions", json=body, headers=headers)
+                ok = response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
+                outcome["completed" if ok else "bad"] += 1
+                return
+            async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as response:
+                chunks, done = 0, False
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunks += 1
+                    done = done or line == "data: [DONE]"
+                    if abandon and chunks == 2:
+                        break
+            if abandon:
+                outcome["abandoned"] += 1
+            else:
+                outcome["completed" if response.status_code == 200 and done else "bad"] += 1
+
+    # One client connection per request: the proxy, not this client, must do the pooling.
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        await asyncio.gather(*(one(client, i) for i in range(requests)))
+    return outcome
+
+
+def unclosed_sessions(stack, name: str) -> int:
+    return stack["proxies"][name].log().count("Unclosed client session")
+
+
+def test_the_plugin_pools_text_completions_to_each_pod(stack):
+    """Runs first: each replica's peak of requests in flight is this test's."""
+    before = replica_counters(stack)
+    outcome = asyncio.run(_load(stack["urls"]["pooled"], 300, stream_share=0.5))
+    after = replica_counters(stack)
+    assert outcome == {"completed": 300, "abandoned": 0, "bad": 0}
+    for b, a in zip(before, after):
+        opened, idle_closed = a["accepted"] - b["accepted"], a["idle_closed"] - b["idle_closed"]
+        # About one connection per request in flight at once at that pod (plus any it closed when idle).
+        # Slack of 2: a connection returns to the pool once the proxy has relayed the response's end,
+        # a moment after the replica stopped counting the request as in flight.
+        assert opened <= a["peak"] + idle_closed + 2, (opened, a["peak"], idle_closed)
+    assert sum(a["accepted"] - b["accepted"] for b, a in zip(before, after)) < 300 / 5
+    assert unclosed_sessions(stack, "pooled") == 0
+
+
+def test_without_pooled_clients_litellm_opens_a_connection_per_text_completion(stack):
+    """The root cause, kept honest: if a LiteLLM release fixes it, this test says so."""
+    before = sim_counters(stack)
+    outcome = asyncio.run(_load(stack["urls"]["unpooled"], 200))
+    after = sim_counters(stack)
+    assert outcome["completed"] == 200
+    assert after["accepted"] - before["accepted"] >= 180
+
+
+def test_abandoned_streams_are_aborted_upstream_and_leak_no_connection(stack):
+    before = sim_counters(stack)
+    rounds = []
+    for _ in range(3):  # 3 x 100 streams, 20% hung up after two chunks
+        outcome = asyncio.run(_load(stack["urls"]["pooled"], 100, stream_share=1.0, abandon_share=0.2))
+        assert outcome == {"completed": 80, "abandoned": 20, "bad": 0}
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            now = sim_counters(stack)
+            if now["aborted"] - before["aborted"] >= 20 * (len(rounds) + 1):
+                break
+            time.sleep(0.1)
+        rounds.append(now)
+    # Every hang-up stopped its generation upstream, and nothing else was aborted.
+    assert rounds[-1]["aborted"] - before["aborted"] == 60
+    # Flat: the connections open after each round stay within the concurrency (an aborted stream's
+    # connection is closed, never returned mid-response; the others are reused).
+    assert all(r["open"] <= before["open"] + CONCURRENCY + 2 for r in rounds), [r["open"] for r in rounds]
+    # Only hung-up streams cost a new connection in later rounds.
+    assert rounds[-1]["accepted"] - rounds[0]["accepted"] <= 2 * 20 + CONCURRENCY
+    assert unclosed_sessions(stack, "pooled") == 0
