@@ -26,6 +26,7 @@ from procs import (
 )
 
 CONCURRENCY = 20
+SERVER_KEEPALIVE_S = 2  # the replicas close connections idle this long (vLLM: 5 s)
 ADAPTERS = ["sql-lora", "tweet-summary"]
 
 
@@ -40,11 +41,11 @@ def stack(tmp_path_factory):
     try:
         procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
                                   "--base-port", str(base), "--speed", "5", "--warm-adapters", ",".join(ADAPTERS),
-                                  "--min-output-tokens", "20", "--keep-alive-s", "60"], tmp))
+                                  "--min-output-tokens", "20", "--keep-alive-s", str(SERVER_KEEPALIVE_S)], tmp))
         replicas = [base, base + 1]
         for p in replicas:
             wait_port(p)
-        pooled = write_config(tmp / "pooled.yaml", replicas, redis_port)
+        pooled = write_config(tmp / "pooled.yaml", replicas, redis_port, upstream_keepalive_ms=1000)
         # Its own key prefix: pooled_clients is a live setting, and the other proxy published `true`.
         unpooled = write_config(tmp / "unpooled.yaml", replicas, redis_port, pooled_clients=False, key_prefix="unpooled")
         procs.append(lora_affinity(["scrape", "--config", str(pooled)], tmp, "scraper"))
@@ -52,8 +53,7 @@ def stack(tmp_path_factory):
                    "unpooled": litellm_proxy(unpooled, unpooled_port, tmp, "proxy-unpooled")}
         procs += proxies.values()
         time.sleep(0.5)
-        reader = httpx.Client(timeout=5)  # keeps its connection to each replica: readings open none
-        yield {"reader": reader, "urls": {"pooled": f"http://127.0.0.1:{pooled_port}", "unpooled": f"http://127.0.0.1:{unpooled_port}"},
+        yield {"reads": [0], "urls": {"pooled": f"http://127.0.0.1:{pooled_port}", "unpooled": f"http://127.0.0.1:{unpooled_port}"},
                "proxies": proxies, "replicas": [f"http://127.0.0.1:{p}" for p in replicas]}
     finally:
         for proc in reversed(procs):
@@ -67,9 +67,14 @@ _COUNTERS = {"accepted": r"^sim_connections_accepted_total (\S+)", "idle_closed"
 
 
 def replica_counters(stack) -> list[dict[str, int]]:
-    pages = [stack["reader"].get(url + "/metrics").text for url in stack["replicas"]]
-    return [{key: int(float(re.search(pattern, page, re.M).group(1))) for key, pattern in _COUNTERS.items()}
-            for page in pages]
+    """Per replica; "accepted" leaves out the readings' own connections (one each, closed by the reader)."""
+    pages = [httpx.get(url + "/metrics", headers={"Connection": "close"}).text for url in stack["replicas"]]
+    stack["reads"][0] += 1
+    counters = [{key: int(float(re.search(pattern, page, re.M).group(1))) for key, pattern in _COUNTERS.items()}
+                for page in pages]
+    for c in counters:
+        c["accepted"] -= stack["reads"][0]
+    return counters
 
 
 def sim_counters(stack) -> dict[str, int]:
@@ -163,3 +168,16 @@ def test_abandoned_streams_are_aborted_upstream_and_leak_no_connection(stack):
     # Only hung-up streams cost a new connection in later rounds.
     assert rounds[-1]["accepted"] - rounds[0]["accepted"] <= 2 * 20 + CONCURRENCY
     assert unclosed_sessions(stack, "pooled") == 0
+
+
+def test_idle_pooled_connections_are_closed_before_the_server_closes_them(stack):
+    """A pool that keeps idle connections longer than the server sometimes writes a request to a
+    connection the server is closing, and that request fails. The plugin's pool closes first."""
+    before = sim_counters(stack)
+    for _ in range(3):
+        outcome = asyncio.run(_load(stack["urls"]["pooled"], 40, stream_share=0.5))
+        assert outcome == {"completed": 40, "abandoned": 0, "bad": 0}
+        time.sleep(SERVER_KEEPALIVE_S + 0.5)
+    after = sim_counters(stack)
+    assert after["idle_closed"] == before["idle_closed"]  # the server never had to close one of ours
+    assert after["open"] <= 2 * len(stack["replicas"])  # they are gone: what is left is the scraper's and the reading's

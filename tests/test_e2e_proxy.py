@@ -75,6 +75,7 @@ def stack(tmp_path_factory):
     pods = [free_port() for _ in range(3)]
     procs: dict[str, Proc] = {}
     redis = redis_server(redis_port, tmp)
+    s: Stack | None = None
     try:
         procs["pods"] = fake_pods(pods, tmp)
         config = write_config(tmp / "config.yaml", pods, redis_port, stale_after_ms=500, metrics_ttl_ms=1000)
@@ -86,7 +87,7 @@ def stack(tmp_path_factory):
     finally:
         for proc in procs.values():
             proc.stop()
-        redis.stop()
+        (s.redis if s is not None else redis).stop()  # the outage test replaces the server
 
 
 IDLE = {"running": 2, "waiting": 0, "kv": 0.2, "running_adapters": ["tweet-summary"]}

@@ -9,18 +9,18 @@ aiohttp session to the garbage collector ("Unclosed client session"). Chat compl
 `hosted_vllm/` already share a pool (`get_async_httpx_client`); they ignore an OpenAI client.
 
 `PooledClients` fills the router's slot for the deployments it routes: per deployment an `AsyncOpenAI`
-client, all over one HTTP client that LiteLLM itself builds (its aiohttp transport on the proxy's
-shared session, or httpx when `DISABLE_AIOHTTP_TRANSPORT` is set), so the proxy keeps one pool of
-connections per pod. A stream the client abandons is closed by LiteLLM's stream wrapper, which
+client, all over one HTTP client on LiteLLM's own transport (aiohttp, or httpx when
+`DISABLE_AIOHTTP_TRANSPORT` is set), so each worker process keeps one pool of connections per pod.
+Its idle connections close before the model server would close them (see `_shared_http`). A stream the client abandons is closed by LiteLLM's stream wrapper, which
 closes its upstream response: an unfinished connection is dropped, never returned to the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
-import sys
 from typing import Any, Mapping
 
 import httpx
@@ -39,8 +39,10 @@ _CLIENT_TTL_S = 24 * 3600
 class PooledClients:
     """Per deployment, an OpenAI client over one shared pool; placed in the router's client slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, keepalive_ms: int = 4_000) -> None:
+        self.keepalive_ms = keepalive_ms
         self._http: httpx.AsyncClient | None = None
+        self._session: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: dict[tuple, Any] = {}
         self.installed = 0
@@ -72,7 +74,7 @@ class PooledClients:
         """Clients belong to one event loop: a new loop (a `Router` user's `asyncio.run`) gets new ones."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
-            self._loop, self._http, self._clients = loop, None, {}
+            self._loop, self._http, self._session, self._clients = loop, None, None, {}
 
     def _client(self, params: Mapping[str, Any], stream: bool) -> Any:
         from openai import AsyncOpenAI
@@ -89,20 +91,40 @@ class PooledClients:
         return client
 
     def _shared_http(self) -> httpx.AsyncClient:
+        """One HTTP client for every pod, on LiteLLM's transport, closing idle connections before the server does.
+
+        Model servers close a connection idle for 5 s (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvicorn's
+        default); a pool that keeps it longer (LiteLLM's shared session: 15 s) sometimes sends a request
+        on a connection the server is closing, and that request fails ("Cannot write to closing transport").
+        """
         if self._http is None:
+            from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
             from litellm.llms.openai.common_utils import BaseOpenAILLM
 
-            session = _proxy_session()
-            self._http = BaseOpenAILLM._get_async_http_client(shared_session=session)
-            logger.info("pooled upstream client on %s", "the proxy's shared aiohttp session" if session is not None
-                        else type(getattr(self._http, "_transport", None)).__name__)
+            keepalive_s = self.keepalive_ms / 1000
+            if AsyncHTTPHandler.should_use_aiohttp_transport():
+                import aiohttp
+
+                self._session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
+                    cookie_jar=aiohttp.DummyCookieJar())
+                self._http = BaseOpenAILLM._get_async_http_client(shared_session=self._session)
+            else:  # DISABLE_AIOHTTP_TRANSPORT: httpx, as LiteLLM would build it, with the shorter keep-alive
+                self._http = httpx.AsyncClient(
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                                        keepalive_expiry=keepalive_s), follow_redirects=True)
+            logger.info("pooled upstream connections: %s, idle ones closed after %.1f s",
+                        "aiohttp" if self._session is not None else "httpx", keepalive_s)
         return self._http
 
     async def aclose(self) -> None:
-        """For `litellm.Router` users at shutdown; the proxy closes its shared session itself."""
-        http, self._http, self._clients = self._http, None, {}
-        if http is not None and http is not litellm.aclient_session:
+        """At shutdown (the proxy offers no hook for it; `litellm.Router` users call it)."""
+        http, session = self._http, self._session
+        self._http, self._session, self._clients = None, None, {}
+        if http is not None and http is not litellm.aclient_session:  # never close the user's own client
             await http.aclose()
+        if session is not None:
+            await session.close()
 
 
 def _provider(params: Mapping[str, Any]) -> str:
@@ -120,8 +142,17 @@ def _timeout(params: Mapping[str, Any], stream: bool) -> float | None:
     return float(value) if value else None
 
 
-def _proxy_session() -> Any:
-    """The proxy's shared aiohttp session when there is one (not for `litellm.Router` users)."""
-    proxy_server = sys.modules.get("litellm.proxy.proxy_server")  # never import the proxy into a Router user
-    session = getattr(proxy_server, "shared_aiohttp_session", None)
-    return session if session is not None and not getattr(session, "closed", True) else None
+@functools.lru_cache(maxsize=None)  # once per process
+def warn_if_litellm_outlives_server_keepalive(keepalive_ms: int) -> None:
+    """LiteLLM's own pool (chat completions of `hosted_vllm/`) keeps idle connections AIOHTTP_KEEPALIVE_TIMEOUT."""
+    try:
+        from litellm.constants import AIOHTTP_KEEPALIVE_TIMEOUT
+        from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
+
+        if AsyncHTTPHandler.should_use_aiohttp_transport() and AIOHTTP_KEEPALIVE_TIMEOUT * 1000 > keepalive_ms:
+            logger.warning("LiteLLM keeps idle upstream connections %s s (AIOHTTP_KEEPALIVE_TIMEOUT), longer than "
+                           "vLLM's 5 s keep-alive: a chat request may meet a connection the server is closing. "
+                           "Set AIOHTTP_KEEPALIVE_TIMEOUT=%d in the proxy's environment.",
+                           AIOHTTP_KEEPALIVE_TIMEOUT, keepalive_ms // 1000)
+    except Exception:  # a release without these names: nothing to say
+        pass

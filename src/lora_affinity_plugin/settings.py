@@ -99,6 +99,8 @@ class Settings(BaseModel):
     sheddable_model_groups: list[str] = Field(default_factory=list)
     pooled_clients: bool = True
     """Hand LiteLLM one pooled upstream client per deployment (it opens a connection per text completion otherwise)."""
+    upstream_keepalive_ms: int = Field(4_000, ge=100, le=300_000)
+    """Pooled connections idle this long are closed: keep it below the model servers' keep-alive (vLLM: 5 s)."""
     adapter_info_key: str = "lora_adapter"
     """model_info key naming a deployment's adapter explicitly."""
 
@@ -147,7 +149,7 @@ class Settings(BaseModel):
 
 # Settings an operator may change at run time (`lora-affinity thresholds set`); the rest need a restart.
 RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
-                          "adapter_info_key", "metrics_bearer_token"})
+                          "adapter_info_key", "metrics_bearer_token", "upstream_keepalive_ms"})
 LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 

@@ -30,7 +30,7 @@ from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
-from .pooling import PooledClients
+from .pooling import PooledClients, warn_if_litellm_outlives_server_keepalive
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
 from .scheduling import NoCapacity, RouteRequest, Shed, choose_pod
 from .settings import Settings, build_settings, load_config, settings_from_config
@@ -55,7 +55,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.fleet = fleet or FleetView(settings)
         self.rng = rng or random.Random()
         self._index = _DeploymentIndex()
-        self.pools = PooledClients()
+        self.pools = PooledClients(settings.upstream_keepalive_ms)
         self._fallback = Episode(logger, "routing by metrics unavailable, picking like simple-shuffle")
         self._refresher: asyncio.Task | None = None
         self.decisions = 0
@@ -339,6 +339,7 @@ class ProxyPlugin(CustomLogger):
             strategy = self._strategy = install(router, self.settings(), fleet=self._fleet, hooks_end_calls=True)
             logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
                         self.settings().redacted_redis_url())
+            warn_if_litellm_outlives_server_keepalive(self.settings().upstream_keepalive_ms)
         return strategy
 
     async def _watch(self) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,7 @@ from .scenarios import get_scenario, with_overrides
 from .transport import TransportStats, cpu_seconds, format_transport_table
 
 STRATEGIES = ["simple-shuffle", "lora-affinity-unpooled", "lora-affinity"]
-PROBE_REQUESTS = 300
+PROBE_REQUESTS = 600
 PROBE_CONCURRENCY = 10
 CONNECTION_ERRORS = ("ClientConnectorError", "ServerDisconnected", "ClientOSError", "onnection", "disconnected")
 
@@ -99,13 +100,18 @@ def run_pooling(args: argparse.Namespace) -> int:
     print(_overhead_table(strategies, runs))
     if repeat > 1:
         print(_integrity_table(strategies, runs))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(
+            {s: [{"result": r.to_dict(), "overhead": asdict(o)} for r, o in runs[s]] for s in strategies}, indent=1))
+        print(f"every run written to {args.json_path}")
     return 0
 
 
 def _overhead_table(strategies: list[str], runs: dict[str, list[tuple[Result, Overhead]]]) -> str:
     head = (f"{'strategy':<26}{'direct p50/p99 ms':>19}{'proxy p50/p99 ms':>18}{'overhead p50/p99 ms':>21}"
             f"{'proxy CPU ms/req':>18}")
-    lines = ["proxy overhead (one-token requests; medians over runs):", head, "-" * len(head)]
+    lines = [f"proxy overhead ({PROBE_REQUESTS} one-token requests, {PROBE_CONCURRENCY} at a time; medians over runs):", head, "-" * len(head)]
     for s in strategies:
         def med(pick) -> float:
             return statistics.median(pick(o) for _, o in runs[s])

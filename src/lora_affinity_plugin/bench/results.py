@@ -100,6 +100,11 @@ def median_result(results: list[Result]) -> Result:
     )
 
 
+def _triple(p: dict[str, float], fmt: str) -> str:
+    """p50/p90/p99, or "-" when nothing was measured (TTFT exists only for streamed requests)."""
+    return "/".join(format(p[k], fmt) for k in ("p50", "p90", "p99")) if p else "-"
+
+
 def _spread(counts: list[int]) -> str:
     return f"{min(counts)}-{max(counts)}" if counts else "-"
 
@@ -116,8 +121,7 @@ def format_table(results: list[Result]) -> str:
         lines.append(
             f"{r.strategy:<24}{r.completed:>10}{r.timeouts:>9}{r.errors:>7}{r.req_per_s:>7.2f}"
             f"{r.output_tokens_per_s:>10.0f}"
-            f"{'/'.join(f'{t.get(k, 0):.1f}' for k in ('p50', 'p90', 'p99')):>21}"
-            f"{'/'.join(f'{e.get(k, 0):.0f}' for k in ('p50', 'p90', 'p99')):>22}"
+            f"{_triple(t, '.1f'):>21}{_triple(e, '.0f'):>22}"
             f"{_spread(r.per_replica):>13}{ratio:>11}"
         )
     for r in results:

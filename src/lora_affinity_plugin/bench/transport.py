@@ -68,9 +68,11 @@ class TransportStats:
 
     @property
     def pooled(self) -> bool:
-        """The goal: no pod saw more new connections than its peak of requests in flight, plus one for each
-        connection the server itself closed when idle (vLLM closes after 5 s; the client must reopen)."""
-        return all(c <= p + i for c, p, i in zip(self.connections, self.peak_in_flight, self.idle_closed))
+        """The goal: no pod saw more new connections than its peak of requests in flight.
+
+        `idle_closed` is shown beside it: a pooled client reopens what the server closed when idle (vLLM
+        after 5 s), and an unpooled one leaves every connection idle until the server closes it."""
+        return all(c <= p for c, p in zip(self.connections, self.peak_in_flight))
 
     @classmethod
     def from_dict(cls, data: dict) -> TransportStats:
