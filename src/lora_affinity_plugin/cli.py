@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import signal
@@ -53,10 +56,19 @@ def _cmd_scrape(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_defaults(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Every subcommand's help shows each option's default."""
+    subparsers.add_parser = functools.partial(subparsers.add_parser,  # type: ignore[method-assign]
+                                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return subparsers
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lora-affinity", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="lora-affinity", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", default="INFO", help="logging level of this command")
+    sub = show_defaults(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
 
     scrape = sub.add_parser("scrape", help="scrape every pod's /metrics into Redis")
     scrape.add_argument("--config", required=True, help="the proxy's config.yaml (pods come from model_list)")
@@ -68,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_arguments
     from .demo import add_demo_arguments
     from .ops import add_ops_arguments
-    from .sim.server import add_sim_arguments
+    from .sim.arguments import add_sim_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: routing quality and decision latency"))
     add_sim_arguments(sub.add_parser("sim", help="simulated vLLM replicas with LoRA, one port each"))
@@ -77,8 +89,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lora-affinity-plugin")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+BENCH_EXTRA = {"bench": ("tqdm", "uvicorn", "starlette"), "demo": ("tqdm", "uvicorn", "starlette"),
+               "sim": ("uvicorn", "starlette")}
+"""What the simulator, benchmarks and demo need beyond a proxy's install: the `bench` extra."""
+
+
+def missing_extra(command: str) -> str | None:
+    """A message naming the extra to install when `command` needs modules that are not installed."""
+    missing = [m for m in BENCH_EXTRA.get(command, ()) if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"lora-affinity {command} needs {', '.join(missing)}, from the bench extra: "
+            f"pip install 'lora-affinity-plugin[bench]'")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = missing_extra(args.command)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown everything
     try:

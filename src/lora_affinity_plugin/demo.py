@@ -12,8 +12,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tqdm import tqdm
-
 from .bench.live import run_strategy
 from .bench.results import format_table, write_chart, write_json
 from .bench.scenarios import get_scenario, with_overrides
@@ -49,6 +47,8 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{scenario.deadline_s:.0f} s simulated deadline\n")
     results = []
     try:
+        from tqdm import tqdm
+
         with tqdm(total=scenario.requests * 2, unit="req", leave=False) as bar:
             for strategy in ("simple-shuffle", "lora-affinity"):
                 results.append(run_strategy(scenario, strategy, args.speed, args.gateways, args.seed, redis_port,

@@ -36,7 +36,9 @@ def add_ops_arguments(sub) -> None:
         return p
 
     th = sub.add_parser("thresholds", help="show and change the live routing settings")
-    th_sub = th.add_subparsers(dest="action", required=True)
+    from .cli import show_defaults
+
+    th_sub = show_defaults(th.add_subparsers(dest="action", required=True))
     common(th_sub.add_parser("show", help="the settings in force and their version"))
     setp = common(th_sub.add_parser("set", help="change settings: key=value ..."))
     setp.add_argument("assignments", nargs="+", metavar="key=value")

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import httpx
 import litellm
 
+from .compat import aiohttp_transport_enabled
 from .pods import _resolve_env
 
 logger = logging.getLogger("lora_affinity")
@@ -98,11 +99,10 @@ class PooledClients:
         on a connection the server is closing, and that request fails ("Cannot write to closing transport").
         """
         if self._http is None:
-            from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
             from litellm.llms.openai.common_utils import BaseOpenAILLM
 
             keepalive_s = self.keepalive_ms / 1000
-            if AsyncHTTPHandler.should_use_aiohttp_transport():
+            if aiohttp_transport_enabled():
                 import aiohttp
 
                 self._session = aiohttp.ClientSession(
@@ -147,9 +147,8 @@ def warn_if_litellm_outlives_server_keepalive(keepalive_ms: int) -> None:
     """LiteLLM's own pool (chat completions of `hosted_vllm/`) keeps idle connections AIOHTTP_KEEPALIVE_TIMEOUT."""
     try:
         from litellm.constants import AIOHTTP_KEEPALIVE_TIMEOUT
-        from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
 
-        if AsyncHTTPHandler.should_use_aiohttp_transport() and AIOHTTP_KEEPALIVE_TIMEOUT * 1000 > keepalive_ms:
+        if aiohttp_transport_enabled() and AIOHTTP_KEEPALIVE_TIMEOUT * 1000 > keepalive_ms:
             logger.warning("LiteLLM keeps idle upstream connections %s s (AIOHTTP_KEEPALIVE_TIMEOUT), longer than "
                            "vLLM's 5 s keep-alive: a chat request may meet a connection the server is closing. "
                            "Set AIOHTTP_KEEPALIVE_TIMEOUT=%d in the proxy's environment.",

@@ -30,8 +30,8 @@ from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
-from .pooling import PooledClients, warn_if_litellm_outlives_server_keepalive
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
+from .pooling import PooledClients, warn_if_litellm_outlives_server_keepalive
 from .scheduling import NoCapacity, RouteRequest, Shed, choose_pod
 from .settings import Settings, build_settings, load_config, settings_from_config
 

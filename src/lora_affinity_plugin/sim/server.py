@@ -243,29 +243,6 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
     ])
 
 
-def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=6)
-    parser.add_argument("--base-port", type=int, default=8100, help="replica i listens on base-port + i")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--speed", type=float, default=1.0, help="K times faster than real time")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--max-loras", type=int, default=4)
-    parser.add_argument("--max-cpu-loras", type=int, default=12)
-    parser.add_argument("--kv-blocks", type=int, default=700)
-    parser.add_argument("--kv-metric-name", choices=["kv_cache_usage_perc", "gpu_cache_usage_perc"],
-                        default="kv_cache_usage_perc")
-    parser.add_argument("--adapters", help="comma-separated adapter names to serve (default: any name)")
-    parser.add_argument("--warm-adapters", help="comma-separated adapters already loaded (GPU slots filled round-robin)")
-    parser.add_argument("--base-model", default="meta-llama/Llama-2-7b-hf")
-    parser.add_argument("--metrics-token", help="require `Authorization: Bearer TOKEN` on /metrics")
-    parser.add_argument("--min-output-tokens", type=int, default=1, help="floor of the drawn output length")
-    parser.add_argument("--residency-metric", action="store_true",
-                        help="expose vllm:lora_adapter_loaded{adapter_name,level} (proposed upstream)")
-    parser.add_argument("--keep-alive-s", type=float, default=5.0,
-                        help="close connections idle this long (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5)")
-    parser.set_defaults(func=run_sim)
-
-
 def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
     config = EngineConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, kv_blocks=args.kv_blocks,
                           base_model=args.base_model, min_output_tokens=args.min_output_tokens)

@@ -1,0 +1,57 @@
+"""Installing the plugin into a LiteLLM environment leaves its LiteLLM release in place and adds no extras.
+
+`bash .ci/run` makes `.venv-oldest` with the oldest tested LiteLLM release; this virtual environment has
+the newest. The check asks pip what it would change (`--dry-run --report`), so nothing is modified.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OTHER_ENV = ROOT / ".venv-oldest"
+BENCH_ONLY = {"tqdm", "matplotlib", "fakeredis"}
+
+
+def _version_in(env: Path, package: str) -> str:
+    code = f"import importlib.metadata as m; print(m.version({package!r}))"
+    return subprocess.run([str(env / "bin" / "python"), "-c", code], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_pip_install_beside_another_litellm_release_changes_nothing_of_litellm(tmp_path):
+    if not (OTHER_ENV / "bin" / "pip").exists():
+        pytest.fail(f"{OTHER_ENV} is missing: `bash .ci/run` makes it with the oldest tested LiteLLM release")
+    theirs = _version_in(OTHER_ENV, "litellm")
+    assert theirs != importlib.metadata.version("litellm"), "the other environment must hold another release"
+    report = tmp_path / "report.json"
+    subprocess.run([str(OTHER_ENV / "bin" / "pip"), "install", "--dry-run", "--quiet", "--report", str(report),
+                    str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
+    would_install = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert "litellm" not in would_install
+    assert would_install == {"lora-affinity-plugin"}  # its runtime dependencies are all there already
+    assert _version_in(OTHER_ENV, "litellm") == theirs
+
+
+def test_the_runtime_dependencies_leave_out_what_only_benchmarks_use():
+    requires = importlib.metadata.requires("lora-affinity-plugin") or []
+    unconditional = {r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+                     for r in requires if "extra ==" not in r}
+    assert not unconditional & BENCH_ONLY, unconditional
+    assert "litellm" in unconditional
+    assert not any(r.startswith("litellm[") and "extra ==" not in r for r in requires)  # [proxy] is optional
+
+
+def test_a_benchmark_command_without_the_bench_extra_names_it(monkeypatch):
+    from lora_affinity_plugin import cli
+
+    real_find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "tqdm" else real_find_spec(name))
+    assert "pip install 'lora-affinity-plugin[bench]'" in cli.missing_extra("bench")
+    assert cli.missing_extra("scrape") is None
+    assert cli.main(["demo"]) == 2
