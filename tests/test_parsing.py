@@ -140,3 +140,17 @@ def test_bad_pages_are_refused_with_the_reason(text, needle):
 def test_nan_lora_timestamp_is_ignored_not_fatal():
     m = parse_metrics('vllm:num_requests_running 2\nvllm:lora_requests_info{max_lora="4",running_lora_adapters="a",waiting_lora_adapters=""} NaN')
     assert m.num_requests_running == 2 and m.max_lora is None and not math.isnan(m.kv_cache_usage)
+
+
+def test_current_vllm_form_running_and_waiting_lists_identical_slots_and_pinned():
+    page = (FIXTURES / "SYNTHETIC__vllm_current_lora_form.txt").read_text()
+    m = parse_metrics(page)
+    assert m.running_lora_adapters == m.waiting_lora_adapters == {"sql-lora", "tweet-summary"}
+    assert m.max_lora == 4
+    assert m.loaded_lora_adapters == {"sql-lora", "tweet-summary", "support-bot"}  # pinned counts; cpu does not
+
+
+def test_slots_come_from_max_gpu_lora_adapters_when_lora_requests_info_has_none():
+    page = ('vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+            'vllm:max_gpu_lora_adapters{engine="0",model_name="m"} 8.0\n')
+    assert parse_metrics(page).max_lora == 8

@@ -85,3 +85,27 @@ def test_non_streaming_client_that_times_out_aborts_too(sim):
     while aborts(sim) == before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert aborts(sim) == before + 1
+
+
+def test_the_current_vllm_lora_form_lists_every_active_adapter_in_both_lists():
+    import random
+
+    from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
+    from lora_affinity_plugin.sim.metrics_page import render_metrics
+    from lora_affinity_plugin.sim.server import LiveReplica
+
+    config = EngineConfig(max_loras=2)
+    pages = {}
+    for style in ("legacy", "current"):
+        engine = ReplicaEngine(config, random.Random(1), [], [])
+        replica = LiveReplica(engine, 1.0, None, "kv_cache_usage_perc", True, style)
+        for i, adapter in enumerate(["a", "b", "c"]):  # two fit the GPU slots, the third waits
+            engine.add(Sequence(f"r{i}", adapter, 10, 50, 0.0))
+        engine.finish_step(engine.plan_step() / 1000)
+        replica._note_lora_state()
+        pages[style] = parse_metrics(render_metrics(replica, config.base_model))
+    legacy, current = pages["legacy"], pages["current"]
+    assert current.running_lora_adapters == current.waiting_lora_adapters
+    assert current.running_lora_adapters == legacy.running_lora_adapters | legacy.waiting_lora_adapters
+    assert legacy.running_lora_adapters != legacy.waiting_lora_adapters
+    assert current.max_lora == legacy.max_lora == 2

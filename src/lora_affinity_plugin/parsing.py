@@ -17,7 +17,8 @@ _KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _LORA_INFO = "vllm:lora_requests_info"
 _CACHE_CONFIG = "vllm:cache_config_info"
 _LORA_LOADED = "vllm:lora_adapter_loaded"
-_WANTED = (_WAITING, _RUNNING, *_KV_NAMES, _LORA_INFO, _CACHE_CONFIG, _LORA_LOADED)
+_MAX_GPU_LORAS = "vllm:max_gpu_lora_adapters"
+_WANTED = (_WAITING, _RUNNING, *_KV_NAMES, _LORA_INFO, _CACHE_CONFIG, _LORA_LOADED, _MAX_GPU_LORAS)
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
@@ -83,6 +84,8 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
 def parse_metrics(text: str) -> PodMetrics:
     """Parse one pod's vLLM `/metrics` page.
 
+    Older and current vLLM alike: GPU slots from `lora_requests_info{max_lora}` or
+    `vllm:max_gpu_lora_adapters`, residency from `vllm:lora_adapter_loaded` (GPU level, or pinned).
     Several engines (`engine="0"`, `engine="1"`) or model names on one page fold into one record:
     queues summed, KV-cache usage the mean. `lora_requests_info` holds one series per state change;
     its value is a timestamp and the largest one is the current state.
@@ -94,7 +97,7 @@ def parse_metrics(text: str) -> PodMetrics:
     lora_latest: tuple[float, dict[str, str]] | None = None
     loaded: set[str] = set()
     model_names: set[str] = set()
-    block_size = num_gpu_blocks = None
+    block_size = num_gpu_blocks = max_gpu_loras = None
 
     for line in text.splitlines():
         if not line.startswith(_WANTED):
@@ -117,13 +120,20 @@ def parse_metrics(text: str) -> PodMetrics:
             block_size = _int_label(labels, "block_size")
             num_gpu_blocks = _int_label(labels, "num_gpu_blocks")
         elif name == _LORA_LOADED:
-            if labels.get("level", "gpu") == "gpu" and value > 0 and labels.get("adapter_name"):
+            # In a GPU slot, or pinned (vLLM keeps a pinned adapter loaded whatever the LRU says).
+            resident = labels.get("level", "gpu") == "gpu" or labels.get("pinned", "").lower() == "true"
+            if resident and value > 0 and labels.get("adapter_name"):
                 loaded.add(labels["adapter_name"])
+        elif name == _MAX_GPU_LORAS:
+            if math.isfinite(value) and 0 <= value <= 1024:
+                max_gpu_loras = int(value)
 
     if not running and not waiting:
         raise MetricsPageError(f"not a vLLM metrics page: neither {_RUNNING} nor {_WAITING} found")
 
     lora = lora_latest[1] if lora_latest else {}
+    # Since vLLM PR #26801 both adapter lists name every active adapter; running | waiting stays right.
+    max_lora = _int_label(lora, "max_lora")
     return PodMetrics(
         num_requests_waiting=sum(waiting.values()),
         num_requests_running=sum(running.values()),
@@ -131,7 +141,7 @@ def parse_metrics(text: str) -> PodMetrics:
         # The first proposal of the metric named these labels running_adapters / waiting_adapters.
         running_lora_adapters=_adapters(lora.get("running_lora_adapters", lora.get("running_adapters", ""))),
         waiting_lora_adapters=_adapters(lora.get("waiting_lora_adapters", lora.get("waiting_adapters", ""))),
-        max_lora=_int_label(lora, "max_lora"),
+        max_lora=max_lora if max_lora is not None else max_gpu_loras,
         loaded_lora_adapters=frozenset(loaded),
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,

@@ -15,6 +15,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--minutes", type=float, default=2.0, help="soak: how long to run")
     parser.add_argument("--rate", type=float, default=20.0, help="soak: Poisson arrivals per second")
+    parser.add_argument("--lora-info-style", default="legacy",
+                        help="live mode: the simulated vLLM's LoRA metrics, legacy and/or current (comma-separated)")
     parser.add_argument("--repeat", type=int, default=1, help="pooling: runs per strategy (integrity counts)")
     parser.add_argument("--requests", type=int, help="override the scenario's request count (quick runs)")
     parser.add_argument("--json", dest="json_path", help="write the results as a JSON list to this path")

@@ -61,10 +61,11 @@ class Fleet:
     """A simulated fleet plus the gateways for one strategy; stops everything on exit."""
 
     def __init__(self, scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
-                 workdir: Path, config_path: Path | None = None) -> None:
+                 workdir: Path, config_path: Path | None = None, lora_info_style: str = "legacy") -> None:
         self.scenario, self.strategy, self.speed, self.gateways = scenario, strategy, speed, gateways
         self.seed, self.redis_port, self.workdir = seed, redis_port, workdir
         self.config_path = config_path
+        self.lora_info_style = lora_info_style
         self.procs: list[Proc] = []
         self.base_port = 0
         self.proxy_ports: list[int] = []
@@ -98,6 +99,7 @@ class Fleet:
                     "--seed", str(self.seed), "--max-loras", str(s.max_loras), "--max-cpu-loras", str(s.max_cpu_loras)]
         if s.warm:
             sim_args += ["--warm-adapters", ",".join(s.adapters)]
+        sim_args += ["--lora-info-style", self.lora_info_style]
         self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli", *sim_args],
                                self.workdir))
         for i in range(s.replicas):
@@ -165,10 +167,10 @@ class Fleet:
 
 def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
                  workdir: Path, bar: tqdm | None = None, config_path: Path | None = None,
-                 after_load: Callable[[Fleet, Result], None] | None = None) -> Result:
+                 after_load: Callable[[Fleet, Result], None] | None = None, lora_info_style: str = "legacy") -> Result:
     if strategy not in LIVE_STRATEGIES:
         raise SystemExit(f"strategy {strategy!r} runs in fast mode only; live: {', '.join(sorted(LIVE_STRATEGIES))}")
-    with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path) as fleet:
+    with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path, lora_info_style) as fleet:
         if bar is not None:
             bar.set_description(strategy)
         probe = fleet.transport_probe()
@@ -193,9 +195,15 @@ def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace
     print(f"live mode at {speed:g}x speed; logs in {workdir}")
     results = []
     try:
-        with tqdm(total=scenario.requests * len(strategies), unit="req", leave=False) as bar:
-            for strategy in strategies:
-                results.append(run_strategy(scenario, strategy, speed, gateways, args.seed, redis_port, workdir, bar))
+        styles = [x.strip() for x in getattr(args, "lora_info_style", "legacy").split(",")]
+        with tqdm(total=scenario.requests * len(strategies) * len(styles), unit="req", leave=False) as bar:
+            for style in styles:
+                for strategy in strategies:
+                    result = run_strategy(scenario, strategy, speed, gateways, args.seed, redis_port, workdir, bar,
+                                          lora_info_style=style)
+                    if len(styles) > 1:
+                        result.strategy += f" [{style}]"
+                    results.append(result)
     finally:
         store.stop()
     return results

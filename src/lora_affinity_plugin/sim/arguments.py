@@ -25,6 +25,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expose vllm:lora_adapter_loaded{adapter_name,level} (proposed upstream)")
     parser.add_argument("--keep-alive-s", type=float, default=5.0,
                         help="close connections idle this long (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5)")
+    parser.add_argument("--lora-info-style", choices=["legacy", "current"], default="legacy",
+                        help="current: vLLM after PR #26801 (every active adapter in both lists of "
+                             "lora_requests_info, vllm:max_gpu_lora_adapters, pinned on lora_adapter_loaded)")
     parser.set_defaults(func=_run_sim)
 
 

@@ -44,13 +44,21 @@ def render_metrics(replica: LiveReplica, base_model: str) -> str:
         "# HELP vllm:lora_requests_info Running stats on lora requests.",
         "# TYPE vllm:lora_requests_info gauge",
     ]
+    current = replica.lora_info_style == "current"
     for at, running, waiting in replica.lora_history or [(0.0, "", "")]:
+        if current:  # vLLM after PR #26801: both lists name every active adapter
+            running = waiting = ",".join(sorted(set(filter(None, f"{running},{waiting}".split(",")))))
         lines.append(f'vllm:lora_requests_info{{max_lora="{engine.config.max_loras}",'
                      f'running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"}} {at}')
+    if current:
+        lines += ["# HELP vllm:max_gpu_lora_adapters Maximum number of LoRA adapters in GPU slots.",
+                  "# TYPE vllm:max_gpu_lora_adapters gauge",
+                  f"vllm:max_gpu_lora_adapters{{{label}}} {float(engine.config.max_loras)}"]
     if replica.residency_metric:
+        pinned = ',pinned="false"' if current else ""
         lines += ["# HELP vllm:lora_adapter_loaded Adapters loaded, by level.", "# TYPE vllm:lora_adapter_loaded gauge"]
-        lines += [f'vllm:lora_adapter_loaded{{adapter_name="{a}",level="gpu"}} 1.0' for a in engine.gpu]
-        lines += [f'vllm:lora_adapter_loaded{{adapter_name="{a}",level="cpu"}} 1.0' for a in engine.cpu]
+        lines += [f'vllm:lora_adapter_loaded{{adapter_name="{a}",level="gpu"{pinned}}} 1.0' for a in engine.gpu]
+        lines += [f'vllm:lora_adapter_loaded{{adapter_name="{a}",level="cpu"{pinned}}} 1.0' for a in engine.cpu]
     lines += [
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
         "# TYPE vllm:cache_config_info gauge",
