@@ -181,3 +181,15 @@ def test_idle_pooled_connections_are_closed_before_the_server_closes_them(stack)
     after = sim_counters(stack)
     assert after["idle_closed"] == before["idle_closed"]  # the server never had to close one of ours
     assert after["open"] <= 2 * len(stack["replicas"])  # they are gone: what is left is the scraper's and the reading's
+
+
+def test_a_streaming_chat_to_a_hugging_face_style_name_is_fast_offline(stack):
+    """With HF_HUB_OFFLINE=1 (deploy/Dockerfile, child_env) LiteLLM does not wait for a tokenizer download."""
+    started = time.monotonic()
+    with httpx.stream("POST", stack["urls"]["pooled"] + "/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                      json={"model": "meta-llama/Llama-2-7b-hf", "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 5, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert time.monotonic() - started < 5

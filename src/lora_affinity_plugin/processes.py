@@ -69,6 +69,8 @@ def child_env(**extra: str) -> dict[str, str]:
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         "LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS": "True",
         "LITELLM_TELEMETRY_DISABLED": "true",
+        # Offline: LiteLLM would try to fetch a tokenizer for Hugging Face-style names (~46 s per stream).
+        "HF_HUB_OFFLINE": "1",
         "LITELLM_MASTER_KEY": MASTER_KEY,
         "PYTHONUNBUFFERED": "1",
     })

@@ -1,0 +1,69 @@
+"""deploy/ checked offline: no cluster and no container daemon here, so the manifests are validated
+against the Kubernetes schemas (kubernetes-validate, strict) and the Dockerfile is linted (hadolint)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from lora_affinity_plugin.pods import discover_pods
+from lora_affinity_plugin.settings import settings_from_config
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+KUBERNETES_VERSION = "1.30.0"
+MANIFESTS = sorted(p for p in (DEPLOY / "kubernetes").glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def documents() -> list[dict]:
+    return [doc for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_every_manifest_is_valid_kubernetes(doc):
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_validator_refuses_a_misspelt_field():
+    deployment = next(d for d in documents() if d["kind"] == "Deployment")
+    broken = yaml.safe_load(yaml.safe_dump(deployment))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = broken["spec"]["template"]["spec"][
+        "containers"][0].pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_layout_the_readme_describes():
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in documents()}
+    assert {("Deployment", "litellm"), ("Service", "litellm"), ("PodDisruptionBudget", "litellm"),
+            ("ConfigMap", "litellm-config"), ("Deployment", "redis"), ("Service", "redis")} <= kinds
+    proxy = next(d for d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "litellm")
+    containers = {c["name"]: c for c in proxy["spec"]["template"]["spec"]["containers"]}
+    assert containers["litellm"]["readinessProbe"]["httpGet"]["path"] == "/health/readiness"
+    assert containers["litellm"]["livenessProbe"]["httpGet"]["path"] == "/health/liveliness"
+    assert containers["scraper"]["command"][:2] == ["lora-affinity", "scrape"]
+    assert containers["scraper"]["livenessProbe"]["httpGet"]["port"] == "scraper-metrics"
+
+
+def test_the_configmaps_config_is_one_the_plugin_accepts():
+    configmap = next(d for d in documents() if d["kind"] == "ConfigMap")
+    config = yaml.safe_load(configmap["data"]["config.yaml"])
+    assert "lora_affinity_plugin.strategy.proxy_plugin" in config["litellm_settings"]["callbacks"]
+    settings = settings_from_config(config, {"LORA_AFFINITY_REDIS_URL": "redis://redis:6379/0"})
+    assert settings.redis_url == "redis://redis:6379/0"
+    assert discover_pods(config["model_list"]) == ["http://vllm-0.vllm:8000", "http://vllm-1.vllm:8000"]
+
+
+def test_the_dockerfile_passes_hadolint_and_sets_what_an_air_gapped_proxy_needs():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    result = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "FROM ghcr.io/berriai/litellm:" in text
+    for env in ("HF_HUB_OFFLINE=1", "LITELLM_LOCAL_MODEL_COST_MAP=True"):
+        assert env in text
