@@ -154,3 +154,24 @@ def test_slots_come_from_max_gpu_lora_adapters_when_lora_requests_info_has_none(
     page = ('vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
             'vllm:max_gpu_lora_adapters{engine="0",model_name="m"} 8.0\n')
     assert parse_metrics(page).max_lora == 8
+
+
+ENGINE_FIXTURES = Path(__file__).parent / "fixtures" / "engines"
+
+
+def test_an_sglang_page_maps_to_the_same_record():
+    m = parse_metrics((ENGINE_FIXTURES / "sglang.txt").read_text(), engine="sglang")
+    assert (m.num_requests_running, m.num_requests_waiting, m.kv_cache_usage) == (7, 3, 0.62)
+    assert (m.block_size, m.num_gpu_blocks, m.max_lora, m.engine) == (1, 21000, 8, "sglang")
+    assert m.running_lora_adapters == frozenset()  # SGLang names no adapters: residency stands in
+
+
+def test_a_trtllm_serve_page_maps_to_the_same_record():
+    m = parse_metrics((ENGINE_FIXTURES / "trtllm.txt").read_text(), engine="trtllm")
+    assert (m.num_requests_running, m.num_requests_waiting, m.kv_cache_usage) == (12, 4, 0.35)
+    assert (m.block_size, m.num_gpu_blocks, m.max_lora, m.engine) == (32, 4096, None, "trtllm")
+
+
+def test_a_page_read_with_the_wrong_profile_names_the_server_it_expected():
+    with pytest.raises(MetricsPageError, match="not a SGLang metrics page"):
+        parse_metrics((FIXTURES / "synthetic_full_page_v1_48k.txt").read_text(), engine="sglang")

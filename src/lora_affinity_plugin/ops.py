@@ -150,7 +150,8 @@ def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: f
         if m is not None:
             row.update({"waiting": m.num_requests_waiting, "running": m.num_requests_running,
                         "kv_pct": round(m.kv_cache_usage * 100, 1), "running_adapters": sorted(m.running_lora_adapters),
-                        "waiting_adapters": sorted(m.waiting_lora_adapters), "max_lora": m.max_lora})
+                        "waiting_adapters": sorted(m.waiting_lora_adapters), "max_lora": m.max_lora,
+                        "engine": m.engine})
         rows.append(row)
     return rows
 
@@ -158,16 +159,16 @@ def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: f
 def _status_text(rows: list[dict], version: int, settings: Settings, leader: str | None, proxies: int) -> str:
     lines = [f"settings version {version}; Redis {settings.redacted_redis_url()}; scraper leader: {leader or 'none'}; "
              f"proxies sharing in-flight counts: {proxies}",
-             f"{'pod':<28}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'sent':>5}{'KV %':>6}{'max':>5}  "
+             f"{'pod':<28}{'engine':<8}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'sent':>5}{'KV %':>6}{'max':>5}  "
              "running / waiting adapters"]
     for r in rows:
         if "waiting" in r:
-            lines.append(f"{r['pod']:<28}{r['state']:<7}{r['age_s']:>7.2f}{r['waiting']:>6}{r['running']:>5}"
+            lines.append(f"{r['pod']:<28}{r['engine']:<8}{r['state']:<7}{r['age_s']:>7.2f}{r['waiting']:>6}{r['running']:>5}"
                          f"{r['inflight']:>5}"
                          f"{r['kv_pct']:>6}{str(r['max_lora']):>5}  {','.join(r['running_adapters']) or '-'} / "
                          f"{','.join(r['waiting_adapters']) or '-'}")
         else:
-            lines.append(f"{r['pod']:<28}{r['state']:<7}{r.get('age_s', '-'):>7}  {r['error']}")
+            lines.append(f"{r['pod']:<28}{'-':<8}{r['state']:<7}{r.get('age_s', '-'):>7}  {r['error']}")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Reading a vLLM `/metrics` page into one pod's `PodMetrics`.
+"""Reading a model server's `/metrics` page into one pod's `PodMetrics` (vLLM's, or another's profile).
 
 A full Prometheus parse of a 48 KB page costs milliseconds; the rules need six metric families.
 So we look only at lines that start with those names and parse their labels by hand.
@@ -9,16 +9,13 @@ from __future__ import annotations
 import math
 import re
 
+from .engines import ENGINES, EngineProfile
 from .scheduling import PodMetrics
 
-_WAITING = "vllm:num_requests_waiting"
-_RUNNING = "vllm:num_requests_running"
-_KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _LORA_INFO = "vllm:lora_requests_info"
-_CACHE_CONFIG = "vllm:cache_config_info"
 _LORA_LOADED = "vllm:lora_adapter_loaded"
-_MAX_GPU_LORAS = "vllm:max_gpu_lora_adapters"
-_WANTED = (_WAITING, _RUNNING, *_KV_NAMES, _LORA_INFO, _CACHE_CONFIG, _LORA_LOADED, _MAX_GPU_LORAS)
+_WANTED = {name: (*p.families, *((_LORA_INFO, _LORA_LOADED) if p.adapter_names else ()))
+           for name, p in ENGINES.items()}
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
@@ -81,8 +78,8 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
     return value if value >= 0 else None
 
 
-def parse_metrics(text: str) -> PodMetrics:
-    """Parse one pod's vLLM `/metrics` page.
+def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
+    """Parse one pod's `/metrics` page, written by `engine` (a name in `engines.ENGINES`).
 
     Older and current vLLM alike: GPU slots from `lora_requests_info{max_lora}` or
     `vllm:max_gpu_lora_adapters`, residency from `vllm:lora_adapter_loaded` (GPU level, or pinned).
@@ -91,59 +88,71 @@ def parse_metrics(text: str) -> PodMetrics:
     its value is a timestamp and the largest one is the current state.
     Raises MetricsPageError when the page has no queue metrics or a needed value is invalid.
     """
+    profile: EngineProfile = ENGINES[engine]
+    wanted = _WANTED[engine]
     waiting: dict[tuple[str, str], int] = {}
     running: dict[tuple[str, str], int] = {}
-    kv: dict[tuple[str, str], float] = {}
+    kv: dict[str, dict[tuple[str, str], float]] = {}
     lora_latest: tuple[float, dict[str, str]] | None = None
     loaded: set[str] = set()
     model_names: set[str] = set()
-    block_size = num_gpu_blocks = max_gpu_loras = None
+    block_size = num_gpu_blocks = lora_slots = None
 
     for line in text.splitlines():
-        if not line.startswith(_WANTED):
+        if not line.startswith(wanted):
             continue
         name, labels, value = _split_sample(line)
-        if "model_name" in labels and name in (_WAITING, _RUNNING):
+        if "model_name" in labels and name in (profile.waiting, profile.running):
             model_names.add(labels["model_name"])
-        if name == _WAITING:
+        if name == profile.waiting:
             waiting[_engine(labels)] = _count(name, value)
-        elif name == _RUNNING:
+        elif name == profile.running:
             running[_engine(labels)] = _count(name, value)
-        elif name in _KV_NAMES:
+        elif name in profile.kv_usage:
             if not math.isfinite(value) or not 0.0 <= value <= 1.0:
                 raise MetricsPageError(f"{name}: {value!r} is outside 0..1")
-            kv.setdefault(_engine(labels), value)  # the newer name comes first on pages with both
+            kv.setdefault(name, {})[_engine(labels)] = value
         elif name == _LORA_INFO:
             if math.isfinite(value) and (lora_latest is None or value > lora_latest[0]):
                 lora_latest = (value, labels)
-        elif name == _CACHE_CONFIG:
-            block_size = _int_label(labels, "block_size")
-            num_gpu_blocks = _int_label(labels, "num_gpu_blocks")
+        elif name == profile.cache_config:
+            block_size = _int_label(labels, profile.block_size_label)
+            num_gpu_blocks = _int_label(labels, profile.num_blocks_label)
+        elif name == profile.block_size_metric:
+            block_size = _gauge_int(value)
+        elif name == profile.num_blocks_metric:
+            num_gpu_blocks = _gauge_int(value)
         elif name == _LORA_LOADED:
             # In a GPU slot, or pinned (vLLM keeps a pinned adapter loaded whatever the LRU says).
             resident = labels.get("level", "gpu") == "gpu" or labels.get("pinned", "").lower() == "true"
             if resident and value > 0 and labels.get("adapter_name"):
                 loaded.add(labels["adapter_name"])
-        elif name == _MAX_GPU_LORAS:
+        elif name == profile.lora_slots:
             if math.isfinite(value) and 0 <= value <= 1024:
-                max_gpu_loras = int(value)
+                lora_slots = int(value)
 
     if not running and not waiting:
-        raise MetricsPageError(f"not a vLLM metrics page: neither {_RUNNING} nor {_WAITING} found")
+        raise MetricsPageError(f"not a {profile.title} metrics page: neither {profile.running} nor {profile.waiting} found")
 
     lora = lora_latest[1] if lora_latest else {}
     # Since vLLM PR #26801 both adapter lists name every active adapter; running | waiting stays right.
     max_lora = _int_label(lora, "max_lora")
+    kv_values = next((kv[n] for n in profile.kv_usage if n in kv), {})  # the newer name, when a page has both
     return PodMetrics(
         num_requests_waiting=sum(waiting.values()),
         num_requests_running=sum(running.values()),
-        kv_cache_usage=sum(kv.values()) / len(kv) if kv else 0.0,
+        kv_cache_usage=sum(kv_values.values()) / len(kv_values) if kv_values else 0.0,
         # The first proposal of the metric named these labels running_adapters / waiting_adapters.
         running_lora_adapters=_adapters(lora.get("running_lora_adapters", lora.get("running_adapters", ""))),
         waiting_lora_adapters=_adapters(lora.get("waiting_lora_adapters", lora.get("waiting_adapters", ""))),
-        max_lora=max_lora if max_lora is not None else max_gpu_loras,
+        max_lora=max_lora if max_lora is not None else lora_slots,
         loaded_lora_adapters=frozenset(loaded),
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
         model_names=frozenset(model_names),
+        engine=engine,
     )
+
+
+def _gauge_int(value: float) -> int | None:
+    return int(value) if math.isfinite(value) and 0 <= value < 2**40 else None

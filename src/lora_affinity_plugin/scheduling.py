@@ -36,6 +36,8 @@ class PodMetrics:
     num_gpu_blocks: int | None = None
     model_names: frozenset[str] = frozenset()
     """Base models the server reports (`model_name` labels): a request for one of them uses no adapter."""
+    engine: str = "vllm"
+    """The model server whose metric names the page used (`engines.ENGINES`)."""
 
 
 @dataclass(frozen=True, slots=True)

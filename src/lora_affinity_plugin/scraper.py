@@ -73,14 +73,16 @@ class Scraper:
     """Scrapes a fixed list of pods (from the config, never from requests) into Redis."""
 
     def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None,
-                 parse: Callable[[str], PodMetrics] = parse_metrics):
+                 parse: Callable[[str], PodMetrics] = parse_metrics, engines: Mapping[str, str] | None = None):
         self.base_settings = settings
         self.settings = settings
         self.settings_version = 0
         self._rejected: bytes | None = None
         self.pods = list(pods)
         self._parse = parse
-        """`parse_metrics`; the scrape-scale benchmark swaps in a full parse to compare."""
+        """For vLLM pages: `parse_metrics`; the scrape-scale benchmark swaps in a full parse to compare."""
+        self.engines = dict(engines or {})
+        """pod -> model server (`engines.pod_engines`); others are `default_engine`."""
         self._redis = redis_client
         self._http = _LoopSession(max(4, len(self.pods)))
         self._redis_down = Episode(logger, "scraper cannot write to Redis; metrics will age")
@@ -96,7 +98,9 @@ class Scraper:
         try:
             text = await self._http.fetch(pod + self.settings.metrics_path, headers, self.settings.max_page_bytes,
                                           self.settings.scrape_timeout_ms / 1000)
-            return PodRecord(pod=pod, scraped_at=started, metrics=self._parse(text))
+            engine = self.engines.get(pod, self.settings.default_engine)
+            metrics = self._parse(text) if engine == "vllm" else parse_metrics(text, engine)
+            return PodRecord(pod=pod, scraped_at=started, metrics=metrics)
         except MetricsPageError as exc:
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error=str(exc))
         except asyncio.TimeoutError:

@@ -97,6 +97,8 @@ class Settings(BaseModel):
     shedding: bool = True
     """Off: sheddable requests are served like critical ones (never 429)."""
     sheddable_model_groups: list[str] = Field(default_factory=list)
+    default_engine: Literal["vllm", "sglang", "trtllm"] = "vllm"
+    """The model server of pods whose deployments name none (`model_info: {engine: sglang}`)."""
     pooled_clients: bool = True
     """Hand LiteLLM one pooled upstream client per deployment (it opens a connection per text completion otherwise)."""
     upstream_keepalive_ms: int = Field(4_000, ge=100, le=300_000)

@@ -321,10 +321,13 @@ class ProxyPlugin(CustomLogger):
         return self._settings
 
     def _start_embedded_scraper(self, config: dict) -> None:
+        from .engines import pod_engines
         from .scraper import Scraper
 
-        pods = discover_pods(config.get("model_list") or [])
-        self._scraper_task = asyncio.get_running_loop().create_task(Scraper(self._settings, pods).run())
+        model_list = config.get("model_list") or []
+        scraper = Scraper(self._settings, discover_pods(model_list),
+                          engines=pod_engines(model_list, self._settings.default_engine))
+        self._scraper_task = asyncio.get_running_loop().create_task(scraper.run())
 
     def ensure_installed(self) -> LoraAffinityStrategy | None:
         from litellm.proxy import proxy_server

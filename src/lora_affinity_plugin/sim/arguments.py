@@ -28,6 +28,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-info-style", choices=["legacy", "current"], default="legacy",
                         help="current: vLLM after PR #26801 (every active adapter in both lists of "
                              "lora_requests_info, vllm:max_gpu_lora_adapters, pinned on lora_adapter_loaded)")
+    parser.add_argument("--sglang-replicas", default="",
+                        help="comma-separated replica indices whose /metrics use SGLang's names (a mixed fleet)")
     parser.set_defaults(func=_run_sim)
 
 

@@ -26,7 +26,49 @@ _HISTOGRAMS = {
 }
 
 
+def render_sglang_metrics(replica: LiveReplica, base_model: str) -> str:
+    """The same replica as SGLang reports itself: no adapter names, slots and queue under its own names."""
+    engine = replica.engine
+    m = engine.snapshot()
+    label = f'model_name="{base_model}",tp_rank="0"'
+    active = len(m.running_lora_adapters | m.waiting_lora_adapters)
+    families = [
+        ("sglang:num_running_reqs", "The number of running requests.", m.num_requests_running),
+        ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", m.num_requests_waiting),
+        ("sglang:token_usage", "The token usage.", m.kv_cache_usage),
+        ("sglang:lora_pool_slots_used", "LoRA adapter slots in use.", min(active, engine.config.max_loras)),
+        ("sglang:lora_pool_slots_total", "LoRA adapter slots.", engine.config.max_loras),
+    ]
+    lines = []
+    for name, help_text, value in families:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name}{{{label}}} {float(value)}"]
+    lines += ["# HELP sglang:cache_config_info Cache configuration.", "# TYPE sglang:cache_config_info gauge",
+              f'sglang:cache_config_info{{{label},num_pages="{engine.config.kv_blocks}",'
+              f'page_size="{engine.config.block_size}"}} 1.0']
+    return "\n".join(lines + _connection_lines(replica)) + "\n"
+
+
+def _connection_lines(replica: LiveReplica) -> list[str]:
+    conn = replica.connections
+    return [
+        "# HELP sim_connections_accepted_total TCP connections this replica accepted (simulator only).",
+        "# TYPE sim_connections_accepted_total counter",
+        f"sim_connections_accepted_total {float(conn.accepted)}",
+        "# HELP sim_connections_idle_closed_total Connections the server closed after its keep-alive timeout.",
+        "# TYPE sim_connections_idle_closed_total counter",
+        f"sim_connections_idle_closed_total {float(conn.idle_closed)}",
+        "# HELP sim_connections_open TCP connections open now (simulator only).",
+        "# TYPE sim_connections_open gauge",
+        f"sim_connections_open {float(conn.open)}",
+        "# HELP sim_requests_in_flight_peak Most inference requests in flight at once (simulator only).",
+        "# TYPE sim_requests_in_flight_peak gauge",
+        f"sim_requests_in_flight_peak {float(conn.peak_in_flight)}",
+    ]
+
+
 def render_metrics(replica: LiveReplica, base_model: str) -> str:
+    if replica.metrics_form == "sglang":
+        return render_sglang_metrics(replica, base_model)
     engine = replica.engine
     m = engine.snapshot()
     label = f'engine="0",model_name="{base_model}"'
@@ -80,21 +122,7 @@ def render_metrics(replica: LiveReplica, base_model: str) -> str:
     for reason, count in engine.finished_by_reason.items():
         lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{base_model}"}} '
                      f"{float(count)}")
-    conn = replica.connections
-    lines += [
-        "# HELP sim_connections_accepted_total TCP connections this replica accepted (simulator only).",
-        "# TYPE sim_connections_accepted_total counter",
-        f"sim_connections_accepted_total {float(conn.accepted)}",
-        "# HELP sim_connections_idle_closed_total Connections the server closed after its keep-alive timeout.",
-        "# TYPE sim_connections_idle_closed_total counter",
-        f"sim_connections_idle_closed_total {float(conn.idle_closed)}",
-        "# HELP sim_connections_open TCP connections open now (simulator only).",
-        "# TYPE sim_connections_open gauge",
-        f"sim_connections_open {float(conn.open)}",
-        "# HELP sim_requests_in_flight_peak Most inference requests in flight at once (simulator only).",
-        "# TYPE sim_requests_in_flight_peak gauge",
-        f"sim_requests_in_flight_peak {float(conn.peak_in_flight)}",
-    ]
+    lines += _connection_lines(replica)
     for name, buckets in _HISTOGRAMS.items():
         lines += [f"# HELP {name} Histogram of {name.split(':')[1].replace('_', ' ')}.", f"# TYPE {name} histogram"]
         for i, le in enumerate(buckets):

@@ -76,13 +76,15 @@ class LiveReplica:
     """Drives one engine in (scaled) real time and hands tokens to waiting HTTP handlers."""
 
     def __init__(self, engine: ReplicaEngine, speed: float, adapters: set[str] | None, kv_metric_name: str,
-                 residency_metric: bool, lora_info_style: str = "legacy") -> None:
+                 residency_metric: bool, lora_info_style: str = "legacy", metrics_form: str = "vllm") -> None:
         self.engine = engine
         self.speed = speed
         self.adapters = adapters
         self.kv_metric_name = kv_metric_name
         self.residency_metric = residency_metric
         self.lora_info_style = lora_info_style
+        self.metrics_form = metrics_form
+        """Whose metric names /metrics uses: vllm, or sglang."""
         self._wake = asyncio.Event()
         self._streams: dict[int, asyncio.Queue] = {}
         self._t0 = time.monotonic()
@@ -250,11 +252,12 @@ def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
     adapters = set(args.adapters.split(",")) if args.adapters else None
     warm = args.warm_adapters.split(",") if args.warm_adapters else []
     replicas = []
+    sglang = {int(i) for i in args.sglang_replicas.split(",")} if args.sglang_replicas else set()
     for r in range(args.replicas):
         gpu = [warm[(r * config.max_loras + j) % len(warm)] for j in range(min(config.max_loras, len(warm)))]
         engine = ReplicaEngine(config, random.Random(f"{args.seed}-replica-{r}"), warm, gpu)
         replicas.append(LiveReplica(engine, args.speed, adapters, args.kv_metric_name, args.residency_metric,
-                                    args.lora_info_style))
+                                    args.lora_info_style, "sglang" if r in sglang else "vllm"))
     return replicas
 
 
