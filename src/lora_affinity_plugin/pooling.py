@@ -27,6 +27,7 @@ import httpx
 import litellm
 
 from .compat import aiohttp_transport_enabled
+from .episodes import Episode
 from .pods import _resolve_env
 
 logger = logging.getLogger("lora_affinity")
@@ -48,13 +49,16 @@ class PooledClients:
         self._clients: dict[tuple, Any] = {}
         self.installed = 0
         """How many times a client was put into the router's cache (first use and after expiry)."""
+        self._failing = Episode(logger, "lora-affinity could not install a pooled client; LiteLLM builds its own")
 
     def ensure(self, router: Any, deployment: Mapping[str, Any]) -> None:
         """Make sure the router will hand `deployment`'s calls the pooled client. Never raises."""
         try:
             self._ensure(router, deployment)
-        except Exception:  # pooling is an optimisation: LiteLLM's own path still serves the call
-            logger.exception("lora-affinity could not install a pooled client; LiteLLM builds its own")
+        except Exception as exc:  # pooling is an optimisation: LiteLLM's own path still serves the call
+            self._failing.fail(f"{type(exc).__name__}: {exc}")  # logged once per episode, not per request
+        else:
+            self._failing.recover()
 
     def _ensure(self, router: Any, deployment: Mapping[str, Any]) -> None:
         model_id = (deployment.get("model_info") or {}).get("id")
