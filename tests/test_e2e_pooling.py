@@ -45,7 +45,8 @@ def stack(tmp_path_factory):
         replicas = [base, base + 1]
         for p in replicas:
             wait_port(p)
-        pooled = write_config(tmp / "pooled.yaml", replicas, redis_port, upstream_keepalive_ms=1000)
+        pooled = write_config(tmp / "pooled.yaml", replicas, redis_port, upstream_keepalive_ms=1000,
+                              models_refresh_ms=1000)
         # Its own key prefix: pooled_clients is a live setting, and the other proxy published `true`.
         unpooled = write_config(tmp / "unpooled.yaml", replicas, redis_port, pooled_clients=False, key_prefix="unpooled")
         procs.append(lora_affinity(["scrape", "--config", str(pooled)], tmp, "scraper"))
@@ -194,3 +195,22 @@ def test_a_streaming_chat_to_a_hugging_face_style_name_is_fast_offline(stack):
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert response.status_code == 200 and lines[-1] == "data: [DONE]"
     assert time.monotonic() - started < 5
+
+
+def test_the_proxys_model_list_shows_what_the_fleet_serves(stack):
+    """Wildcard deployments list nothing in LiteLLM; the plugin adds the pods' own /v1/models."""
+    import openai
+
+    client = openai.OpenAI(base_url=stack["urls"]["pooled"] + "/v1", api_key=MASTER_KEY, max_retries=0)
+    deadline, ids = time.monotonic() + 10, set()
+    while time.monotonic() < deadline:
+        ids = {m.id for m in client.models.list()}
+        if {"sql-lora", "tweet-summary"} <= ids:
+            break
+        time.sleep(0.5)
+    assert {"meta-llama/Llama-2-7b-hf", "sql-lora", "tweet-summary"} <= ids
+    raw = httpx.get(stack["urls"]["pooled"] + "/models", headers={"Authorization": f"Bearer {MASTER_KEY}"}).json()
+    assert len([m for m in raw["data"] if m["id"] == "sql-lora"]) == 1  # once, however many pods serve it
+    # LiteLLM's auth still comes first (it answers 500 here: its auth error path imports `prisma`).
+    refused = httpx.get(stack["urls"]["pooled"] + "/v1/models")
+    assert refused.status_code != 200 and "sql-lora" not in refused.text

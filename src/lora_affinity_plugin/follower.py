@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Callable
 
+from .discovery import decode_served, served_models_key
 from .episodes import Episode
 from .fleet import FleetView
 from .inflight import (
@@ -55,6 +56,8 @@ class Follower:
         self.applied_version = 0
         self._last_raw: bytes | None = None
         self._wake = asyncio.Event()
+        self.served_models: frozenset[str] = frozenset()
+        """What the pods' /v1/models list, as the scraper last published it (discovery.py)."""
         self.process = worker_id()
         """host:pid:random, like a scraper's id: names this process's in-flight table."""
         self.peers: list[str] = []
@@ -93,7 +96,7 @@ class Follower:
         sharing = self.settings.share_inflight
         peers = self.peers if sharing else []
         reads = [settings_key(prefix), *(pod_key(self.base, p) for p in pods),
-                 *(inflight_key(prefix, peer) for peer in peers)]
+                 *(inflight_key(prefix, peer) for peer in peers), served_models_key(prefix)]
         table = encode_share(self.fleet.inflight.counts(), self.fleet.recent_dispatches()) if sharing else ""
         ttl_ms = max(1_000, 5 * self.settings.scrape_interval_ms)
         try:
@@ -109,7 +112,8 @@ class Follower:
             self._follow_settings(raws[0])
         records = decode_records(pods, raws[1:1 + len(pods)])
         self.fleet.update(records)
-        self.fleet.update_peers(decode_shares(raws[1 + len(pods):]))
+        self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1]))
+        self.served_models = decode_served(raws[-1])
         own = self.process.encode()
         self.peers = [m.decode() for m in members if m != own] if sharing else []
         if records:

@@ -9,6 +9,7 @@ at 256 pods every 200 ms, httpx's pool cost ~9 ms of CPU per scrape against ~0.4
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import replace
@@ -16,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 
 import aiohttp
 
+from .discovery import model_ids, served_models_key
 from .episodes import Episode
 from .lease import LeaseResult, lease_and_write, worker_id
 from .live_settings import LiveCopy, apply_live, settings_key
@@ -90,6 +92,7 @@ class Scraper:
         self.leader = False
         self.holder: str | None = None
         self.cycles = 0
+        self._next_models = 0.0
 
     async def _scrape_pod(self, pod: str) -> PodRecord:
         started = time.time()
@@ -126,7 +129,28 @@ class Scraper:
         stamped = [replace(r, scraper=self.holder) for r in records]
         await self._lease([(pod_key(self.settings, r.pod), r.to_json()) for r in stamped])
         SCRAPE_SECONDS.observe(time.perf_counter() - started)
+        if self.leader and self.settings.list_served_models and time.monotonic() >= self._next_models:
+            self._next_models = time.monotonic() + self.settings.models_refresh_ms / 1000
+            await self.publish_served_models()
         return records
+
+    async def publish_served_models(self) -> frozenset[str]:
+        """The union of the pods' `/v1/models` into Redis; pods that fail are left out (and the key ages)."""
+        async def ids(pod: str) -> list[str]:
+            try:
+                return model_ids(await self._http.fetch(pod + "/v1/models", None, self.settings.max_page_bytes,
+                                                        self.settings.scrape_timeout_ms / 1000))
+            except (MetricsPageError, asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError):
+                return []
+
+        served = frozenset(name for names in await asyncio.gather(*(ids(p) for p in self.pods)) for name in names)
+        if served:
+            try:
+                await self._redis.set(served_models_key(self.settings.key_prefix), json.dumps(sorted(served)),
+                                      px=3 * self.settings.models_refresh_ms)
+            except Exception as exc:
+                self._redis_down.fail(type(exc).__name__)
+        return served
 
     async def _lease(self, records: list[tuple[str, bytes]] | None = None) -> bool:
         """Take or renew the lease, writing `records` only while holding it; False when not the leader."""

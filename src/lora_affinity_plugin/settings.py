@@ -97,6 +97,9 @@ class Settings(BaseModel):
     shedding: bool = True
     """Off: sheddable requests are served like critical ones (never 429)."""
     sheddable_model_groups: list[str] = Field(default_factory=list)
+    list_served_models: bool = True
+    """The proxy's /v1/models adds what the pods' /v1/models list (read by the scraper every models_refresh_ms)."""
+    models_refresh_ms: int = Field(30_000, ge=1_000, le=3_600_000)
     default_engine: Literal["vllm", "sglang", "trtllm"] = "vllm"
     """The model server of pods whose deployments name none (`model_info: {engine: sglang}`)."""
     pooled_clients: bool = True

@@ -26,6 +26,7 @@ import litellm
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
+from .discovery import install_listing
 from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
@@ -303,6 +304,7 @@ class ProxyPlugin(CustomLogger):
         self._scraper_task: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._strategy: LoraAffinityStrategy | None = None
+        self._listing_installed = False
         try:
             self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="lora-affinity-install")
         except RuntimeError:
@@ -343,7 +345,22 @@ class ProxyPlugin(CustomLogger):
             logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
                         self.settings().redacted_redis_url())
             warn_if_litellm_outlives_server_keepalive(self.settings().upstream_keepalive_ms)
+        if not self._listing_installed:  # the proxy adds its routes during start-up: look until they are there
+            app = getattr(proxy_server, "app", None)
+            if app is not None and install_listing(app, self._served_models, self._named_groups):
+                self._listing_installed = True
+                logger.info("lora-affinity adds the fleet's models to /v1/models")
         return strategy
+
+    def _served_models(self) -> frozenset[str]:
+        strategy = self._strategy
+        if strategy is None or strategy.follower is None or not strategy.settings.list_served_models:
+            return frozenset()
+        return strategy.follower.served_models
+
+    def _named_groups(self) -> list[str]:
+        router = self._strategy.router if self._strategy is not None else None
+        return [d.get("model_name", "") for d in (router.model_list if router else []) if "*" not in d.get("model_name", "")]
 
     async def _watch(self) -> None:
         while True:
