@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
-from lora_affinity_plugin.discovery import decode_served, listing_with_served, merge_listing, model_ids
+from lora_affinity_plugin.discovery import (
+    decode_served,
+    listing_with_served,
+    merge_listing,
+    model_ids,
+)
 
 
 def listing(*ids: str) -> bytes:
