@@ -88,3 +88,12 @@ def test_timeouts_follow_the_deployment(params, expected):
 
     assert _timeout(params, stream=False) == expected
     assert _timeout({"stream_timeout": 2, "timeout": 5}, stream=True) == 2.0
+
+
+async def test_the_pool_drops_connections_idle_longer_than_upstream_keepalive():
+    router = litellm.Router(model_list=MODEL_LIST[:1])
+    pools = PooledClients(keepalive_ms=1500)
+    pools.ensure(router, router.model_list[0])
+    assert pools._session is not None  # LiteLLM's default transport: aiohttp, on the pool's own session
+    assert pools._session.connector._keepalive_timeout == 1.5  # below vLLM's 5 s by default (4 s)
+    await pools.aclose()
