@@ -67,3 +67,23 @@ def test_scrape_scale_reports_cpu_per_scrape_and_the_interval():
     ours = next(line for line in stdout.splitlines() if line.startswith("lora-affinity parser"))
     assert ours.rstrip().endswith("yes")  # 16 pods: the interval is kept with room to spare
     assert "CPU per scrape, full parse / ours" in stdout
+
+
+def test_a_live_row_with_more_than_one_percent_errors_is_refused(monkeypatch, capsys):
+    import argparse
+
+    from lora_affinity_plugin.bench import compare
+    from lora_affinity_plugin.bench.results import Result, refusal
+
+    good = Result("lora-affinity", "seed", "live", 990, 5, 5, 100.0, 1000, error_kinds={"HTTP 500: x": 5})
+    broken = Result("simple-shuffle", "seed", "live", 235, 0, 765, 100.0, 500,
+                    error_kinds={"ClientOSError: reset": 765})
+    assert refusal(good) is None and "765 of 1000 requests failed" in refusal(broken)
+    monkeypatch.setattr(compare, "_run", lambda *a: [broken, good])
+    args = argparse.Namespace(scenario="seed", requests=None, strategies="simple-shuffle,lora-affinity", gateways=1,
+                              mode="live", json_path=None, chart="unused.png")
+    monkeypatch.setattr(compare, "write_chart", lambda *a: None)
+    assert compare.run_compare(args) == 1
+    out, err = capsys.readouterr()
+    assert "lora-affinity" in out and "simple-shuffle" not in out  # the broken row is not printed
+    assert "refused: simple-shuffle: 765 of 1000 requests failed (765 x ClientOSError: reset)" in err

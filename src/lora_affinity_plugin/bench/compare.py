@@ -7,11 +7,19 @@ each strategy against a fresh simulated fleet and real LiteLLM proxy processes (
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tqdm import tqdm
 
 from ..sim.policies import STRATEGY_NAMES
-from .results import Result, format_table, median_result, write_chart, write_json
+from .results import (
+    Result,
+    format_table,
+    median_result,
+    refusal,
+    write_chart,
+    write_json,
+)
 from .scenarios import get_scenario, with_overrides
 from .transport import TransportStats, format_transport_table
 
@@ -41,6 +49,8 @@ def run_compare(args: argparse.Namespace) -> int:
         (one,) = _run(scenario, ["lora-affinity"], args, 1)
         one.strategy = "lora-affinity, 1 gateway"
         results.append(one)
+    refused = [reason for r in results if (reason := refusal(r))]
+    results = [r for r in results if not refusal(r)]
     print(format_table(results))
     if args.mode == "live":
         print(format_transport_table([(r.strategy, TransportStats.from_dict(r.transport))
@@ -53,7 +63,9 @@ def run_compare(args: argparse.Namespace) -> int:
     chart = write_chart(results, args.chart, f"{scenario.name} ({args.mode} mode)")
     if chart:
         print(f"chart written to {chart}")
-    return 0
+    for reason in refused:
+        print(f"refused: {reason}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 def gateways_summary(results: list[Result], gateways: int) -> str:

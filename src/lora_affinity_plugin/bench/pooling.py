@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from ..processes import MASTER_KEY, free_port, redis_server
 from .live import DEFAULT_SPEED, Fleet, run_strategy
-from .results import Result, format_table, percentiles
+from .results import Result, format_table, percentiles, refusal
 from .scenarios import get_scenario, with_overrides
 from .transport import TransportStats, cpu_seconds, format_transport_table
 
@@ -94,6 +95,11 @@ def run_pooling(args: argparse.Namespace) -> int:
                     runs[strategy].append((result, overheads[0]))
     finally:
         store.stop()
+    refused = [reason for s in strategies for r, _ in runs[s] if (reason := refusal(r))]
+    if refused:  # a broken run is not a result: say why, publish nothing
+        for reason in refused:
+            print(f"refused: {reason}", file=sys.stderr)
+        return 1
     last = [runs[s][-1][0] for s in strategies]
     print(format_table(last))
     print(format_transport_table([(s, TransportStats.from_dict(runs[s][-1][0].transport)) for s in strategies]))

@@ -53,6 +53,20 @@ class Result:
         return out
 
 
+MAX_ERROR_SHARE = 0.01
+"""A live row with more failed requests than this is not a result: the run, not the strategy, went wrong."""
+
+
+def refusal(result: Result) -> str | None:
+    """Why `result` must not be published, or None when it may."""
+    sent = result.completed + result.timeouts + result.errors
+    if not sent or result.errors / sent <= MAX_ERROR_SHARE:
+        return None
+    kinds = "; ".join(f"{n} x {kind}" for kind, n in result.error_kinds.items()) or "no kind recorded"
+    return (f"{result.strategy}: {result.errors} of {sent} requests failed ({kinds}); more than "
+            f"{MAX_ERROR_SHARE:.0%} errors means the run is broken, so this row is not published")
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
