@@ -175,3 +175,14 @@ def test_a_trtllm_serve_page_maps_to_the_same_record():
 def test_a_page_read_with_the_wrong_profile_names_the_server_it_expected():
     with pytest.raises(MetricsPageError, match="not a SGLang metrics page"):
         parse_metrics((FIXTURES / "synthetic_full_page_v1_48k.txt").read_text(), engine="sglang")
+
+
+def test_a_deployment_naming_an_unknown_engine_is_refused_with_the_choices():
+    from lora_affinity_plugin.engines import pod_engines
+
+    model_list = [{"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": "http://a:8000/v1"},
+                   "model_info": {"engine": "tgi"}}]
+    with pytest.raises(ValueError, match="model_info.engine: 'tgi' is not one of vllm, sglang, trtllm"):
+        pod_engines(model_list, "vllm")
+    model_list[0]["model_info"] = {"engine": "sglang"}
+    assert pod_engines(model_list, "vllm") == {"http://a:8000": "sglang"}
