@@ -14,9 +14,9 @@ from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.scheduling import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
+from lora_affinity_plugin.proxy_callback import ProxyPlugin
 from lora_affinity_plugin.strategy import (
     LoraAffinityStrategy,
-    ProxyPlugin,
     install,
     installed_strategy,
 )

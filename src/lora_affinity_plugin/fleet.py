@@ -6,16 +6,20 @@ added as waiting requests (with their adapters) until they end or a newer scrape
 keeps a burst of requests that all see one snapshot from herding onto the same "best" pod.
 Residency: an idle pod keeps the adapters it ran most recently (an LRU of `max_lora` slots, like
 vLLM's GPU slots), unless the server reports them itself.
+Prefixes: `prefixes` is the approximate index of what each pod's KV cache holds (prefix_index.py),
+sized from each pod's reported cache.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .inflight import Dispatch, InFlight, PeerShare
-from .scheduling import Candidate
+from .prefix_index import PrefixIndex
+from .prefixes import placement_key, prompt_prefix
+from .scheduling import Candidate, RouteRequest
 from .settings import Settings
 from .store import PodRecord
 
@@ -56,6 +60,7 @@ class FleetView:
         self.inflight = InFlight()
         self.peer_counts: dict[str, int] = {}
         self._anonymous = 0
+        self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
 
     # --- background side -------------------------------------------------------------------
     def update(self, records: Mapping[str, PodRecord]) -> None:
@@ -66,8 +71,35 @@ class FleetView:
                 state = self._pods[pod] = _PodState(record=record, base=None)
             state.record = record
             state.base = self._base_candidate(state) if record.metrics is not None else None
+            if record.metrics is not None:
+                self._size_index(pod, record.metrics.num_gpu_blocks, record.metrics.block_size)
             state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
                                lag_s=self.settings.dispatch_lag_ms / 1000)
+
+    def _size_index(self, pod: str, num_gpu_blocks: int | None, block_size: int | None) -> None:
+        if num_gpu_blocks and block_size:
+            chars = num_gpu_blocks * block_size * self.settings.prefix_chars_per_token
+            self.prefixes.set_capacity(pod, int(chars // self.settings.prefix_block_chars))
+
+    def maintain(self, now: float) -> None:
+        """Once per refresh: settings may have changed the TTL; unused entries expire."""
+        self.prefixes.ttl_s = self.settings.prefix_ttl_ms / 1000
+        self.prefixes.expire(now)
+
+    def note_prefix(self, pod: str, hashes: Sequence[int], now: float) -> None:
+        """The request's prompt is now (being) computed on `pod`: it will hold these blocks."""
+        self.prefixes.add(pod, hashes, now, share=self.settings.share_prefixes)
+
+    def route_request(self, adapter: str | None, scope: str, messages: Any, request_kwargs: Any, pods: Iterable[str],
+                      settings: Settings, sheddable: bool = False) -> RouteRequest:
+        """What the rules need to know about one request: its adapter, class and prompt prefix."""
+        hashes = prompt_prefix(messages, scope, request_kwargs, settings)
+        if not hashes:
+            return RouteRequest(adapter, sheddable)
+        return RouteRequest(
+            adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
+            prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
+            prefix_sizes=self.prefixes.sizes())
 
     def update_peers(self, share: PeerShare) -> None:
         """Replace what the peers sent; only their dispatches newer than a pod's scrape count."""

@@ -22,6 +22,7 @@ from .inflight import (
     encode_share,
     inflight_key,
     members_key,
+    prefix_stream_key,
 )
 from .lease import worker_id
 from .live_settings import (
@@ -38,6 +39,13 @@ from .metrics import (
     SETTINGS_REJECTED,
     SETTINGS_VERSION,
     SNAPSHOT_AGE,
+)
+from .prefix_index import (
+    SHARE_MAX_BLOCKS,
+    SHARE_READ_COUNT,
+    SHARE_STREAM_LENGTH,
+    decode_entries,
+    encode_entries,
 )
 from .settings import Settings, SettingsError
 from .store import connect, decode_records, pod_key
@@ -63,6 +71,10 @@ class Follower:
         self.peers: list[str] = []
         self.pods_seen: set[str] = set()
         """Other processes sharing in-flight tables, as of the last refresh."""
+        self.stream_id = "0-0"
+        """The last prefix-stream entry read: peers' index entries after it are new."""
+        self.prefix_bytes_written = 0
+        self.prefix_bytes_read = 0
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
 
     async def run(self) -> None:
@@ -99,9 +111,14 @@ class Follower:
                  *(inflight_key(prefix, peer) for peer in peers), served_models_key(prefix)]
         table = encode_share(self.fleet.inflight.counts(), self.fleet.recent_dispatches()) if sharing else ""
         ttl_ms = max(1_000, 5 * self.settings.scrape_interval_ms)
+        share_prefixes = self.settings.share_prefixes and self.settings.prefix_affinity
+        outbox = self.fleet.prefixes.take_outbox(SHARE_MAX_BLOCKS)
+        entries = encode_entries(outbox) if outbox and share_prefixes else ""
         try:
-            members, raws = await client.eval(REFRESH_SCRIPT, 2 + len(reads), members_key(prefix),
-                                              inflight_key(prefix, self.process), *reads, self.process, table, ttl_ms)
+            members, raws, stream = await client.eval(
+                REFRESH_SCRIPT, 3 + len(reads), members_key(prefix), inflight_key(prefix, self.process),
+                prefix_stream_key(prefix), *reads, self.process, table, ttl_ms, entries,
+                self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH, SHARE_READ_COUNT)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -114,10 +131,26 @@ class Follower:
         self.fleet.update(records)
         self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1]))
         self.served_models = decode_served(raws[-1])
+        self._follow_prefixes(stream, len(entries))
+        self.fleet.maintain(time.time())
         own = self.process.encode()
         self.peers = [m.decode() for m in members if m != own] if sharing else []
         if records:
             SNAPSHOT_AGE.set(max(r.age_s() for r in records.values()))
+
+    def _follow_prefixes(self, stream: list, written: int) -> None:
+        """Peers' new index entries into ours (our own come back too: skipped)."""
+        self.prefix_bytes_written += written
+        own = self.process.encode()
+        for entry_id, fields in stream:
+            self.stream_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            values = dict(zip(fields[::2], fields[1::2]))
+            if values.get(b"p") == own:
+                continue
+            raw = values.get(b"e", b"")
+            self.prefix_bytes_read += len(raw)
+            for pod, at, hashes in decode_entries(raw):
+                self.fleet.prefixes.add(pod, hashes, at, share=False)
 
     def _sweep(self) -> None:
         swept = self.fleet.sweep(time.time() - self.settings.inflight_timeout_ms / 1000)

@@ -114,13 +114,18 @@ def inflight_key(prefix: str, process: str) -> str:
     return f"{{{prefix}}}:inflight:{process}"
 
 
+def prefix_stream_key(prefix: str) -> str:
+    return f"{{{prefix}}}:prefixes"
+
+
 def members_key(prefix: str) -> str:
     return f"{{{prefix}}}:inflight:members"
 
 
-# One round trip per refresh. KEYS: members zset, own table, then keys to read (settings, pod records,
-# peers' tables, all declared so a Cluster routes the call by their shared hash tag).
-# ARGV: process id, own table ('' = not sharing), table ttl ms.
+# One round trip per refresh. KEYS: members zset, own table, the prefix stream, then keys to read
+# (settings, pod records, peers' tables), all declared so a Cluster routes the call by their hash tag.
+# ARGV: process id, own table ('' = not sharing), table ttl ms, own prefix entries ('' = none),
+# last stream id read ('' = not reading), stream length kept, stream entries read.
 REFRESH_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -129,11 +134,18 @@ if ARGV[2] ~= '' then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if ARGV[4] ~= '' then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'p', ARGV[1], 'e', ARGV[4])
+end
+local stream = {}
+if ARGV[5] ~= '' then
+  stream = redis.call('XRANGE', KEYS[3], '(' .. ARGV[5], '+', 'COUNT', ARGV[7])
+end
 local values = {}
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   values[#values + 1] = redis.call('GET', KEYS[i])
 end
-return {redis.call('ZRANGE', KEYS[1], 0, -1), values}
+return {redis.call('ZRANGE', KEYS[1], 0, -1), values, stream}
 """
 
 

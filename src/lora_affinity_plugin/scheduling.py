@@ -4,19 +4,23 @@ No I/O and no clocks: given the same candidates, request, settings and seeded RN
 always the same. The LiteLLM adapter (`strategy.py`), the fast simulator and `explain` all call
 `choose_pod` so that what is benchmarked is what serves traffic.
 
-Two rule sets:
+Rule sets:
 - ``gie-v0.2``: the Gateway API Inference Extension endpoint picker's v0.2 decision tree.
 - ``lora-affinity`` (default): the same thresholds and shedding, but adapter placement that keeps
   few distinct adapters per replica, remembers resident adapters, and spills a hot adapter to a
-  new replica only when its holders are clearly busier than the fleet.
+  new replica only when its holders are clearly busier than the fleet; and the longest cached
+  prompt prefix first, among pods not far busier than the least busy one.
+- ``llmd-prefix`` and ``sglang-cache-aware``: the peers' prefix-aware policies as published
+  (shared/docs/scheduling-reference.md section 7), kept as references to measure against.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from .prefixes import rendezvous
 from .settings import Settings
 
 
@@ -66,6 +70,16 @@ class RouteRequest:
     adapter: str | None
     """None for a base-model request: the LoRA rules are skipped."""
     sheddable: bool = False
+    prefix_blocks: int = 0
+    """Full blocks in the prompt's prefix chain (prefixes.prefix_hashes)."""
+    prefix_matches: Mapping[str, int] = field(default_factory=dict)
+    """Leading blocks of that chain each pod should still hold (absent: none)."""
+    placement_key: int | None = None
+    """Gateways rank equally good pods by this key (rendezvous hashing), so they agree without talking."""
+    prefix_sizes: Mapping[str, int] = field(default_factory=dict)
+    """Blocks each pod's index holds (the sglang-cache-aware reference needs them)."""
+    prefix_hashes: tuple[int, ...] = ()
+    """The chain itself: the chosen pod will hold it (FleetView.note_prefix)."""
 
 
 @dataclass(slots=True)
@@ -94,13 +108,14 @@ class NoCapacity(SchedulingError):
 class _Run:
     """One decision in progress: applies fail-open filters and records them when explaining."""
 
-    __slots__ = ("rng", "trace", "disabled", "width")
+    __slots__ = ("rng", "trace", "disabled", "width", "key")
 
-    def __init__(self, rng: random.Random, explain: bool, settings: Settings) -> None:
+    def __init__(self, rng: random.Random, explain: bool, settings: Settings, key: int | None = None) -> None:
         self.rng = rng
         self.trace: list[tuple[str, tuple[str, ...]]] | None = [] if explain else None
         self.disabled = settings.disabled_rules
         self.width = settings.band_width
+        self.key = key
 
     def apply(self, name: str, pods: list[Candidate], kept: list[Candidate]) -> list[Candidate]:
         """Fail open: a filter that leaves nobody (or is disabled) passes its input on."""
@@ -109,8 +124,15 @@ class _Run:
             self.trace.append((name, tuple(p.key for p in out)))
         return out
 
-    def pick(self, pods: list[Candidate], branch: str) -> Decision:
-        chosen = pods[0] if len(pods) == 1 else pods[self.rng.randrange(len(pods))]
+    def pick(self, pods: list[Candidate], branch: str, agree: bool = False) -> Decision:
+        """One of equals: by rendezvous hash when gateways should agree, else at random."""
+        if len(pods) == 1:
+            chosen = pods[0]
+        elif agree and self.key is not None:
+            key = self.key
+            chosen = max(pods, key=lambda p: rendezvous(key, p.key))
+        else:
+            chosen = pods[self.rng.randrange(len(pods))]
         return Decision(chosen.key, branch, self.trace or [])
 
 
@@ -152,11 +174,15 @@ def choose_pod(
     pods = list(candidates)
     if not pods:
         raise NoCapacity("no candidate pods for this model")
-    run = _Run(rng, explain, settings)
+    run = _Run(rng, explain, settings, request.placement_key)
     if request.sheddable and settings.shedding:
         pods = _sheddable_capacity(pods, settings, run)
     if settings.rule_set == "gie-v0.2":
         return _gie_v02(pods, request, settings, run)
+    if settings.rule_set == "llmd-prefix":
+        return _llmd_prefix(pods, request, run)
+    if settings.rule_set == "sglang-cache-aware":
+        return _sglang_cache_aware(pods, request, run)
     return _lora_affinity(pods, request, settings, run)
 
 
@@ -212,10 +238,21 @@ def _soft_affinity(pods: list[Candidate], adapter: str, settings: Settings, run:
 def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
     low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
     pods = run.apply("low_queue", pods, low_queue)
+    long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
+    if long_prompt:
+        warm = _warm(pods, request, settings) if request.prefix_matches else []
+        if warm:
+            pods = run.apply("prefix_match", pods, warm)
+            pods = run.apply("least_load", pods, _least_load(pods, run.width))
+            pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
+            return run.pick(pods, "prefix", agree=True)
+        return _new_prefix(pods, request, settings, run)
     if request.adapter is None:
         pods = run.apply("least_load", pods, _least_load(pods, run.width))
         pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        return run.pick(pods, "base_model")
+        if long_prompt:
+            pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
+        return run.pick(pods, "base_model", agree=long_prompt)
 
     adapter = request.adapter
     fleet_min = min(p.load for p in pods)
@@ -225,7 +262,9 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         pods = run.apply("adapter_active", pods, roomy)
         pods = run.apply("least_load", pods, _least_load(pods, run.width))
         pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        return run.pick(pods, "affinity")
+        if long_prompt:
+            pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
+        return run.pick(pods, "affinity", agree=long_prompt)
 
     # Place (or spill) the adapter where it adds the least contention: a pod with a free slot,
     # one that still holds it, then the fewest distinct adapters, then the least load.
@@ -237,4 +276,106 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
     pods = run.apply("least_load", pods, _least_load(pods, run.width))
     pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-    return run.pick(pods, branch)
+    if long_prompt:
+        pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
+    return run.pick(pods, branch, agree=True)
+
+
+def _not_far_busier(pods: list[Candidate], settings: Settings) -> list[Candidate]:
+    """Pods whose queue is within `prefix_queue_margin` of the shortest, or within `prefix_queue_ratio` times it."""
+    least = min(p.load for p in pods)
+    edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
+    return [p for p in pods if p.load <= edge]
+
+
+def _new_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
+    """A prompt no pod holds: it will stay where it lands, so place it for the cache, not the moment.
+
+    Among pods not far busier than the least busy, and (for an adapter) that can run it without
+    evicting another, the one whose cache is known to hold least; gateways agree by rendezvous.
+    """
+    pods = run.apply("roomy", pods, _not_far_busier(pods, settings))
+    pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
+    adapter = request.adapter
+    if adapter is not None:
+        holders = [p for p in pods if adapter in p.active_adapters]
+        pods = run.apply("adapter_active", pods, holders) if holders else \
+            run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
+    pods = run.apply("least_load", pods, _least_load(pods, run.width))
+    return run.pick(pods, "new_prefix", agree=True)
+
+
+def _fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float) -> list[Candidate]:
+    """A new prefix goes where it evicts least: the pods whose caches are known to hold the least."""
+    sizes = request.prefix_sizes
+    edge = least_band_int([sizes.get(p.key, 0) for p in pods], width)
+    return [p for p in pods if sizes.get(p.key, 0) <= edge]
+
+
+def _warm(pods: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
+    """Pods holding the longest prefix among those not far busier than the least busy one.
+
+    Reuse saves the matched tokens' prefill; a queue costs every request in it. So a match wins
+    only within `prefix_queue_margin` waiting requests of the least waiting pod, and a busier pod with
+    a longer match loses to a roomier one with a shorter match (or none: then the LoRA rules place it).
+    """
+    matches = request.prefix_matches
+    roomy = _not_far_busier(pods, settings)
+    best = max(matches.get(p.key, 0) for p in roomy)
+    if best < settings.prefix_min_blocks:
+        return []
+    return [p for p in roomy if matches.get(p.key, 0) == best]
+
+
+# --- the peers' prefix-aware policies, as references -----------------------------------------
+
+
+LLMD_WEIGHTS = {"prefix": 2.0, "kv": 1.0, "queue": 1.0, "lora": 1.0}
+"""The llm-d router's published sample profile: prefix 2, KV use 1, queue 1, plus its LoRA scorer at 1."""
+
+
+def _llmd_prefix(pods: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
+    """Weighted scorers, highest total wins (ties at random)."""
+    blocks = max(1, request.prefix_blocks)
+    queues = [p.waiting for p in pods]
+    lo, hi = min(queues), max(queues)
+    best: list[Candidate] = []
+    top = -1.0
+    for p in pods:
+        prefix = request.prefix_matches.get(p.key, 0) / blocks
+        queue = 1.0 if hi == lo else (hi - p.waiting) / (hi - lo)
+        if request.adapter is None:
+            lora = 0.0
+        elif request.adapter in p.active_adapters:
+            lora = 1.0
+        else:
+            lora = 0.8 if p.has_free_slot() else 0.0
+        score = (LLMD_WEIGHTS["prefix"] * prefix + LLMD_WEIGHTS["kv"] * (1 - p.kv_cache_usage)
+                 + LLMD_WEIGHTS["queue"] * queue + LLMD_WEIGHTS["lora"] * lora)
+        if score > top + 1e-9:
+            best, top = [p], score
+        elif abs(score - top) <= 1e-9:
+            best.append(p)
+    if run.trace is not None:
+        run.trace.append(("llmd_scores", tuple(p.key for p in best)))
+    return run.pick(best, "llmd")
+
+
+SGLANG_BALANCE_ABS = 64
+SGLANG_BALANCE_REL = 1.5
+SGLANG_MATCH_RATIO = 0.3
+
+
+def _sglang_cache_aware(pods: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
+    """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
+    loads = [p.load for p in pods]
+    if max(loads) - min(loads) > SGLANG_BALANCE_ABS and max(loads) > SGLANG_BALANCE_REL * min(loads):
+        low = min(loads)
+        return run.pick([p for p in pods if p.load == low], "sglang_balance")
+    matches = request.prefix_matches
+    best = max((matches.get(p.key, 0) for p in pods), default=0)
+    if request.prefix_blocks and best / request.prefix_blocks > SGLANG_MATCH_RATIO:
+        return run.pick([p for p in pods if matches.get(p.key, 0) == best], "sglang_match")
+    sizes = request.prefix_sizes
+    smallest = min(sizes.get(p.key, 0) for p in pods)
+    return run.pick([p for p in pods if sizes.get(p.key, 0) == smallest], "sglang_smallest_tree")

@@ -25,12 +25,14 @@ from pydantic import (
 from .connection import SCHEMES, parse_redis_url
 
 ENV_PREFIX = "LORA_AFFINITY_"
-RuleSet = Literal["lora-affinity", "gie-v0.2"]
+RuleSet = Literal["lora-affinity", "gie-v0.2", "llmd-prefix", "sglang-cache-aware"]
 RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_lora", "least_kv", "least_load",
-                   "adapter_active", "resident", "free_slot", "fewest_adapters"]
+                   "adapter_active", "resident", "free_slot", "fewest_adapters", "prefix_match",
+                   "fewest_prefixes"]
 # Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
 GROUP_SETTINGS = ("queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
-                  "rule_set", "spill_queue_margin", "band_width", "disabled_rules", "shedding")
+                  "rule_set", "spill_queue_margin", "band_width", "disabled_rules", "shedding",
+                  "prefix_affinity", "prefix_queue_margin", "prefix_queue_ratio", "prefix_min_blocks")
 
 
 class SettingsError(ValueError):
@@ -107,6 +109,26 @@ class Settings(BaseModel):
     upstream_keepalive_ms: int = Field(4_000, ge=100, le=300_000)
     """Pooled connections idle this long are closed: keep it below the model servers' keep-alive (vLLM: 5 s)."""
     adapter_info_key: str = "lora_adapter"
+
+    # Routing for KV reuse (prefix_index.py): what each pod's cache should already hold.
+    prefix_affinity: bool = True
+    """Send a request to the pod that holds the longest prefix of its prompt, unless that pod is far busier."""
+    prefix_queue_margin: int = Field(16, ge=0, le=10_000)
+    """A pod holding the prefix wins while its waiting requests exceed the least waiting pod's by at most this."""
+    prefix_queue_ratio: float = Field(2.0, ge=1.0, le=100.0)
+    """...or while they are at most this many times the least waiting pod's (under load every queue is long)."""
+    prefix_min_blocks: int = Field(2, ge=1, le=4096)
+    """Matches shorter than this many blocks do not count (every chat shares its first few characters)."""
+    prefix_block_chars: int = Field(256, ge=16, le=65_536)
+    """Prompt text is hashed in blocks of this many bytes of UTF-8 (characters, for ASCII)."""
+    prefix_max_chars: int = Field(65_536, ge=0, le=16 * 1024 * 1024)
+    """At most this much of a prompt is read and hashed: bounds the plugin's time per decision."""
+    prefix_chars_per_token: float = Field(4.0, gt=0.0, le=64.0)
+    """Sizes each pod's index from its cache (num_gpu_blocks x block_size tokens) without its tokenizer."""
+    prefix_ttl_ms: int = Field(600_000, ge=1_000)
+    """Index entries unused this long are dropped."""
+    share_prefixes: bool = True
+    """Each proxy's new index entries reach its peers in the refresh it already makes."""
     """model_info key naming a deployment's adapter explicitly."""
 
     @field_validator("redis_url")

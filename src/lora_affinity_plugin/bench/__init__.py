@@ -14,7 +14,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=1, help="fast mode: seeds per strategy (medians reported)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--minutes", type=float, default=2.0, help="soak: how long to run")
-    parser.add_argument("--rate", type=float, default=20.0, help="soak: Poisson arrivals per second")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="Poisson arrivals per second (soak: default 20; shared-prefix/multi-turn: one rate)")
+    parser.add_argument("--rates", help="shared-prefix/multi-turn: comma-separated rates to sweep (default: the scenario's)")
+    parser.add_argument("--minutes-of-load", type=float, default=None,
+                        help="shared-prefix/multi-turn: minutes of arrivals per rate (simulated; default 1.5)")
     parser.add_argument("--lora-info-style", default="legacy",
                         help="live mode: the simulated vLLM's LoRA metrics, legacy and/or current (comma-separated)")
     parser.add_argument("--repeat", type=int, default=1, help="pooling: runs per strategy (integrity counts)")
@@ -59,6 +63,12 @@ def run_bench(args: argparse.Namespace) -> int:
         from .propagation import run_propagation
 
         return run_propagation(args)
+    from .scenarios import SCENARIOS
+
+    if args.scenario in SCENARIOS and SCENARIOS[args.scenario].open_loop:
+        from .latency import run_latency
+
+        return run_latency(args)
     from .compare import run_compare
 
     return run_compare(args)

@@ -33,14 +33,16 @@ from ..processes import (
     wait_port,
     wait_proxy,
 )
-from ..sim.policies import GIE_V02, UNSHARED
+from ..sim.policies import RULE_SETS
 from .loadgen import run_load
+from .open_loop import run_open_loop
+from .prefix_workloads import PrefixWorkload
 from .results import Result, summarize
 from .scenarios import Scenario
 from .transport import TransportProbe
 
 LITELLM_BUILTINS = {"simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2"}
-PLUGIN_RULES = {"lora-affinity": {}, "lora-affinity-unshared": UNSHARED, "gie-v0.2": GIE_V02,
+PLUGIN_RULES = {**RULE_SETS,
                 "lora-affinity-unpooled": {"pooled_clients": False}}
 LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random"}
 DEFAULT_SPEED = 10.0
@@ -152,6 +154,15 @@ class Fleet:
     def transport_probe(self) -> TransportProbe:
         return TransportProbe(self.replica_urls, [p.popen.pid for p in self.proxies], [p.log_path for p in self.proxies])
 
+    def prefix_hit_rate(self) -> float | None:
+        """Hit / queried prompt tokens over the run, from the replicas' own counters."""
+        hits = queries = 0.0
+        for url in self.replica_urls:
+            page = httpx.get(url + "/metrics", timeout=5).text
+            hits += sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", page, re.M))
+            queries += sum(float(v) for v in re.findall(r"^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)", page, re.M))
+        return round(hits / queries, 4) if queries else None
+
     def served_per_replica(self) -> list[int]:
         counts = []
         for url in self.replica_urls:
@@ -174,12 +185,19 @@ def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int,
         if bar is not None:
             bar.set_description(strategy)
         probe = fleet.transport_probe()
-        outcomes, duration = asyncio.run(run_load(
-            scenario, fleet.targets, speed, seed, api_key=MASTER_KEY,
-            per_connection=strategy == "per-connection-random", on_done=bar.update if bar else None))
+        if scenario.open_loop:
+            outcomes, duration = asyncio.run(run_open_loop(
+                PrefixWorkload(scenario, seed), fleet.targets, speed, scenario.deadline_s, api_key=MASTER_KEY,
+                on_done=bar.update if bar else None))
+        else:
+            outcomes, duration = asyncio.run(run_load(
+                scenario, fleet.targets, speed, seed, api_key=MASTER_KEY,
+                per_connection=strategy == "per-connection-random", on_done=bar.update if bar else None))
         result = summarize(strategy, scenario.name, "live", outcomes, duration, scenario.replicas)
         result.transport = probe.stop(len(outcomes)).to_dict()
         result.per_replica = fleet.served_per_replica()
+        result.hit_rate = fleet.prefix_hit_rate()
+        result.rate = scenario.arrival_rate if scenario.open_loop else None
         if after_load is not None:
             after_load(fleet, result)
     return result

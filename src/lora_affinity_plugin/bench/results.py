@@ -18,6 +18,8 @@ class RequestOutcome:
     e2e_s: float | None = None
     error: str | None = None
     """Why a request failed (HTTP status and message, or the client error), for the error summary."""
+    itl_s: float | None = None
+    """Mean inter-token latency of the request (streamed, more than one token)."""
 
 
 @dataclass
@@ -37,6 +39,11 @@ class Result:
     error_kinds: dict[str, int] = field(default_factory=dict)
     transport: dict = field(default_factory=dict)
     """Live mode: connections per pod, proxy sockets and CPU (see transport.py)."""
+    itl_s: dict[str, float] = field(default_factory=dict)
+    hit_rate: float | None = None
+    """The fleet's prefix-cache hit rate: hit / queried prompt tokens, from the replicas' counters."""
+    rate: float | None = None
+    """Open-loop arrivals per second (None: the closed-loop seed client)."""
 
     @property
     def req_per_s(self) -> float:
@@ -92,6 +99,7 @@ def summarize(strategy: str, scenario: str, mode: str, outcomes: list[RequestOut
         duration_s=round(duration_s, 3), output_tokens=sum(o.output_tokens for o in done),
         ttft_s=percentiles([o.ttft_s for o in done if o.ttft_s is not None]),
         e2e_s=percentiles([o.e2e_s for o in done if o.e2e_s is not None]),
+        itl_s=percentiles([o.itl_s for o in done if o.itl_s is not None]),
         per_replica=per_replica,
         error_kinds=dict(Counter(o.error for o in outcomes if o.error).most_common(5)),
     )

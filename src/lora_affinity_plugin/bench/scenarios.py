@@ -32,6 +32,26 @@ class Scenario:
     """Adapters already in each replica's CPU cache (a server that has served them before)."""
     stream_share: float = 0.0
     extra: dict = field(default_factory=dict)
+    # Prefix workloads (bench/prefix_workloads.py): open-loop arrivals of long prompts.
+    kind: str = "lora"
+    """lora: the seed's short prompts; shared-prefix or multi-turn: prompts that share long prefixes."""
+    mean_output_tokens: float = 580.0
+    groups: int = 0
+    """shared-prefix: system prompts; the last `base_groups` of them go to the base model."""
+    base_groups: int = 0
+    system_tokens: int = 0
+    question_tokens: int = 0
+    sessions_per_adapter: int = 0
+    turns: int = 0
+    think_s: float = 0.0
+    duration_s: float = 0.0
+    """Open-loop runs: arrivals for this long (simulated seconds) at the scenario's rate."""
+    rates: tuple[float, ...] = ()
+    """The default sweep of arrival rates (requests per second)."""
+
+    @property
+    def open_loop(self) -> bool:
+        return self.kind != "lora"
 
 
 def _adapters(n: int) -> tuple[str, ...]:
@@ -47,6 +67,17 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("cold", "cold start: no adapter loaded anywhere yet", warm=False),
         Scenario("poisson", "Poisson arrivals at 3 req/s for 300 s, 12 adapters", arrival_rate=3.0, requests=900),
         Scenario("streaming", "the seed scenario with half the requests streamed", stream_share=0.5),
+        Scenario("shared-prefix", "24 system prompts of ~1,000 tokens (16 on 8 adapters, 8 on the base model), "
+                 "each request its own ~60-token question; Poisson arrivals",
+                 kind="shared-prefix", adapters=_adapters(8), groups=24, base_groups=8, system_tokens=1000,
+                 question_tokens=60, max_tokens=300, mean_output_tokens=120, connections=100_000,
+                 deadline_s=120.0, duration_s=90.0, arrival_rate=8.0, rates=(2.0, 4.0, 6.0, 8.0, 10.0, 12.0)),
+        Scenario("multi-turn", "chat sessions of 6 turns in 6 apps (4 adapters, 2 on the base model), each turn "
+                 "resending the growing history (a ~400-token system prompt per app, ~80-token user turns), "
+                 "5 s think time; Poisson session starts",
+                 kind="multi-turn", adapters=_adapters(4), base_groups=2, system_tokens=400, question_tokens=80, turns=6,
+                 think_s=5.0, max_tokens=300, mean_output_tokens=120, connections=100_000, deadline_s=120.0,
+                 duration_s=90.0, arrival_rate=6.0, rates=(3.0, 6.0, 9.0, 12.0, 15.0)),
     ]
 }
 
@@ -56,6 +87,11 @@ def get_scenario(name: str) -> Scenario:
         return SCENARIOS[name]
     except KeyError:
         raise SystemExit(f"unknown scenario {name!r}; choose one of: decisions, {', '.join(SCENARIOS)}") from None
+
+
+def at_rate(scenario: Scenario, rate: float) -> Scenario:
+    """An open-loop scenario at `rate` requests per second (its duration fixed, its request count follows)."""
+    return replace(scenario, arrival_rate=rate, requests=max(1, round(rate * scenario.duration_s)))
 
 
 def with_overrides(scenario: Scenario, **changes) -> Scenario:

@@ -134,10 +134,10 @@ def run_soak(args: argparse.Namespace) -> int:
 
         async def main() -> None:
             start = time.monotonic()
-            await asyncio.gather(_client(f"http://127.0.0.1:{proxy_port}", args.rate, start + duration,
+            await asyncio.gather(_client(f"http://127.0.0.1:{proxy_port}", (args.rate or 20.0), start + duration,
                                          random.Random(args.seed), counts), schedule(start))
 
-        print(f"soak: {minutes:g} min of Poisson load at {args.rate:g} req/s with faults; logs in {workdir}")
+        print(f"soak: {minutes:g} min of Poisson load at {(args.rate or 20.0):g} req/s with faults; logs in {workdir}")
         asyncio.run(main())
         time.sleep(1)
         rss_end = {"proxy": _rss_mb(proxy), "scraper": _rss_mb(scraper)}

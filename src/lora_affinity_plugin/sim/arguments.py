@@ -30,6 +30,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                              "lora_requests_info, vllm:max_gpu_lora_adapters, pinned on lora_adapter_loaded)")
     parser.add_argument("--sglang-replicas", default="",
                         help="comma-separated replica indices whose /metrics use SGLang's names (a mixed fleet)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="turn off automatic prefix caching (on by default, as in vLLM's V1 engine)")
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="context length: a longer prompt + max_tokens gets HTTP 400, as from vLLM")
     parser.set_defaults(func=_run_sim)
 
 

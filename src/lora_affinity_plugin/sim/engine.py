@@ -17,6 +17,8 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .kv_cache import BlockPool
+
 
 @dataclass
 class EngineConfig:
@@ -31,6 +33,8 @@ class EngineConfig:
     base_model: str = "meta-llama/Llama-2-7b-hf"
     mean_output_tokens: float = 580.0
     min_output_tokens: int = 1
+    prefix_caching: bool = True
+    max_model_len: int = 4096
 
 
 @dataclass(eq=False)
@@ -48,6 +52,12 @@ class Sequence:
     finished_at: float | None = None
     aborted: bool = False
     prefilled: bool = False
+    block_hashes: tuple[int, ...] = ()
+    """The prompt's full blocks (kv_cache.block_hashes); empty: nothing to share."""
+    held: list[int] = field(default_factory=list)
+    """Cached blocks this sequence references (a subset of its `blocks`)."""
+    cached_tokens: int = 0
+    """Prompt tokens found cached at its last admission."""
 
     @property
     def context(self) -> int:
@@ -75,13 +85,15 @@ class ReplicaEngine:
         self.running: list[Sequence] = []
         self.gpu: OrderedDict[str, None] = OrderedDict()
         self.cpu: OrderedDict[str, None] = OrderedDict()
-        self.free_blocks = config.kv_blocks
+        self.pool = BlockPool(config.kv_blocks, config.prefix_caching)
         self._planned: tuple[str, list[Sequence]] | None = None
         # Counters for /metrics.
         self.finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions = 0
+        self.prefix_queries_total = 0
+        self.prefix_hits_total = 0
         for adapter in warm_adapters or []:
             _lru_put(self.cpu, adapter, config.max_cpu_loras)
         for adapter in gpu_adapters or []:
@@ -105,8 +117,7 @@ class ReplicaEngine:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
+        self._free(seq)
         self.finished_by_reason["abort"] += 1
 
     @property
@@ -139,7 +150,7 @@ class ReplicaEngine:
         """Decide the next step; returns its duration in ms (0 when idle)."""
         admitted, cost_ms = self._admit()
         if admitted:
-            tokens = sum(s.context for s in admitted)
+            tokens = sum(s.context - s.cached_tokens for s in admitted)
             self._planned = ("prefill", admitted)
             return (50 + 0.18 * tokens) * 1.17 + cost_ms
         if self.running:
@@ -166,12 +177,20 @@ class ReplicaEngine:
             if seq.adapter is not None and seq.adapter not in batch_adapters:
                 if len(batch_adapters) >= self.config.max_loras:
                     continue  # skipped: keeps its place, later requests may overtake it
+            hits = self.pool.cached_prefix(seq.block_hashes)
+            if hits and hits * self.config.block_size >= seq.prompt_tokens:
+                hits -= 1  # a fully cached prompt still recomputes its last block
             need = self._blocks_for(seq.context + 1)
-            if need > self.free_blocks or tokens + seq.context > self.config.max_num_batched_tokens:
+            computed = seq.context - hits * self.config.block_size
+            over_budget = admitted and tokens + computed > self.config.max_num_batched_tokens
+            if over_budget or not self.pool.fits(seq.block_hashes[:hits], need - hits):
                 break
-            self.free_blocks -= need
+            seq.held = self.pool.take(seq.block_hashes, hits, need - hits)
             seq.blocks = need
-            tokens += seq.context
+            seq.cached_tokens = hits * self.config.block_size
+            self.prefix_queries_total += seq.prompt_tokens
+            self.prefix_hits_total += seq.cached_tokens
+            tokens += computed
             if seq.adapter is not None:
                 batch_adapters.add(seq.adapter)
                 cost += self._adapter_cost_ms(seq.adapter, batch_adapters)
@@ -199,7 +218,7 @@ class ReplicaEngine:
             if seq.aborted or seq not in self.running:
                 continue
             need = self._blocks_for(seq.context + 1)
-            while need > seq.blocks and self.free_blocks < need - seq.blocks:
+            while need > seq.blocks and self.pool.free < need - seq.blocks:
                 victim = self.running[-1]  # the newest running request is preempted
                 self._preempt(victim)
                 if victim is seq:
@@ -207,7 +226,7 @@ class ReplicaEngine:
             if seq.aborted or seq not in self.running:
                 continue
             if need > seq.blocks:
-                self.free_blocks -= need - seq.blocks
+                self.pool.grow(need - seq.blocks)
                 seq.blocks = need
             self._emit(seq, now, result)
         return result
@@ -221,15 +240,23 @@ class ReplicaEngine:
         if seq.done:
             seq.finished_at = now
             self.running.remove(seq)
-            self.free_blocks += seq.blocks
-            seq.blocks = 0
+            self._free(seq)
             self.finished_by_reason["length" if seq.target_tokens >= 750 else "stop"] += 1
             result.finished.append(seq)
 
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.held, seq.blocks)
+        seq.held = []
+        seq.blocks = 0
+        seq.cached_tokens = 0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.free
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
+        self._free(seq)
         self.waiting.insert(0, seq)  # recompute: back to the front of the queue
         self.preemptions += 1
 

@@ -13,10 +13,12 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+from ..bench.prefix_workloads import PrefixWorkload
 from ..bench.results import RequestOutcome, Result, summarize
-from ..bench.scenarios import Scenario
+from ..bench.scenarios import SEED_PROMPT, Scenario
 from ..inflight import merge_shares
 from .engine import EngineConfig, ReplicaEngine, Sequence
+from .kv_cache import block_hashes, count_tokens, prompt_text
 from .policies import make_policy
 
 SCRAPE_INTERVAL_S = 0.2
@@ -54,13 +56,14 @@ def workload(scenario: Scenario, rng: random.Random) -> list[Request]:
     return out
 
 
-def engine_config(scenario: Scenario) -> EngineConfig:
-    return EngineConfig(max_loras=scenario.max_loras, max_cpu_loras=scenario.max_cpu_loras)
+def engine_config(scenario: Scenario, prefix_caching: bool = True) -> EngineConfig:
+    return EngineConfig(max_loras=scenario.max_loras, max_cpu_loras=scenario.max_cpu_loras,
+                        mean_output_tokens=scenario.mean_output_tokens, prefix_caching=prefix_caching)
 
 
-def make_engines(scenario: Scenario, seed: int) -> list[ReplicaEngine]:
+def make_engines(scenario: Scenario, seed: int, prefix_caching: bool = True) -> list[ReplicaEngine]:
     """Warm: every adapter in each CPU cache and the GPU slots filled round-robin, as after a warm-up."""
-    config = engine_config(scenario)
+    config = engine_config(scenario, prefix_caching)
     engines = []
     for r in range(scenario.replicas):
         adapters = list(scenario.adapters)
@@ -71,10 +74,16 @@ def make_engines(scenario: Scenario, seed: int) -> list[ReplicaEngine]:
     return engines
 
 
+_SEED_MESSAGES = [{"role": "user", "content": SEED_PROMPT}]
+"""How LiteLLM hands a text completion's prompt to a routing strategy."""
+
+
 def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1,
-             overrides: dict | None = None) -> Result:
-    requests = workload(scenario, random.Random(f"{seed}-workload"))
-    engines = make_engines(scenario, seed)
+             overrides: dict | None = None, prefix_caching: bool = True) -> Result:
+    prefix_load = PrefixWorkload(scenario, seed) if scenario.open_loop else None
+    requests: list = prefix_load.initial() if prefix_load else workload(scenario, random.Random(f"{seed}-workload"))
+    expected = len(requests) * (max(1, scenario.turns) if scenario.kind == "multi-turn" else 1)
+    engines = make_engines(scenario, seed, prefix_caching)
     policies = [make_policy(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
                 for g in range(gateways)]
     counter = itertools.count()
@@ -105,11 +114,18 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             if req.index in outcomes:
                 continue  # timed out while waiting for a connection
             connection = free_connections.popleft()
-            gateway = policies[connection % gateways]
-            replica = gateway.route(req.adapter, connection, now, str(req.index))
+            gateway = policies[(req.index if prefix_load else connection) % gateways]
+            messages = req.messages if prefix_load else _SEED_MESSAGES
+            replica = gateway.route(req.adapter, connection, now, str(req.index), messages=messages,
+                                    group=getattr(req, "group", 0))
             engine = engines[replica]
-            seq = Sequence(str(req.index), req.adapter, scenario.prompt_tokens,
-                           engine.output_length(scenario.max_tokens), arrival=req.arrival)
+            if prefix_load:
+                text = prompt_text({"messages": req.messages})
+                tokens = count_tokens(text)
+            else:
+                text, tokens = SEED_PROMPT, scenario.prompt_tokens
+            seq = Sequence(str(req.index), req.adapter, tokens, engine.output_length(scenario.max_tokens),
+                           arrival=req.arrival, block_hashes=block_hashes(text, req.adapter, None, engine.config.block_size))
             engine.add(seq)
             seqs[req.index] = (seq, replica, connection, req)
             by_seq[id(seq)] = req.index
@@ -120,8 +136,16 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         entry = seqs.pop(index, None)
         if entry is not None:
             free_connections.append(entry[2])
-            policies[entry[2] % gateways].ended(str(index))
+            policies[(index if prefix_load else entry[2]) % gateways].ended(str(index))
+        if prefix_load is not None:
+            req = requested[index]
+            nxt = prefix_load.follow_up(req, "x " * outcome.output_tokens, now)
+            if nxt is not None:
+                requested[nxt.index] = nxt
+                push(nxt.arrival, "arrive", nxt)
+                push(nxt.arrival + scenario.deadline_s, "timeout", nxt.index)
 
+    requested: dict[int, object] = {r.index: r for r in requests}
     # The gateways have been running before the load starts: they already see one scrape.
     push(0.0, "visible", ([e.snapshot() for e in engines], [frozenset(e.gpu) for e in engines], 0.0))
     for req in requests:
@@ -131,7 +155,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     if gateways > 1:
         push(SHARE_OFFSET_S, "share")
 
-    while heap and len(outcomes) < len(requests):
+    while heap and len(outcomes) < expected:
         now, _, kind, data = heapq.heappop(heap)
         if kind == "arrive":
             pending.append(data)
@@ -146,8 +170,9 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 latency = now - req.arrival
                 for policy in policies:
                     policy.completed(replica, now, latency, seq.generated)
+                itl = (now - seq.first_token_at) / (seq.generated - 1) if seq.generated > 1 else None
                 release(index, now, RequestOutcome(replica, True, seq.generated, seq.first_token_at - req.arrival,
-                                                   latency))
+                                                   latency, itl_s=itl))
                 last_event = now
             kick(replica, now)
             dispatch(now)
@@ -169,18 +194,27 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             push(now + SCRAPE_INTERVAL_S, "scrape")
         elif kind == "share":  # each gateway's refresh writes its in-flight table and reads its peers'
             tables = [policy.share() for policy in policies]
-            push(now + REFRESH_LAG_PEERS_S, "peers", tables)
+            prefixes = [policy.take_prefixes() for policy in policies]
+            push(now + REFRESH_LAG_PEERS_S, "peers", (tables, prefixes))
             push(now + SHARE_INTERVAL_S, "share")
         elif kind == "peers":
+            tables, prefixes = data
             for g, policy in enumerate(policies):
-                others = [t for i, t in enumerate(data) if i != g and t is not None]
+                others = [t for i, t in enumerate(tables) if i != g and t is not None]
                 if others:
                     policy.peers(merge_shares(others))
+                for i, entries in enumerate(prefixes):
+                    if i != g and entries:
+                        policy.peer_prefixes(entries)
         elif kind == "visible":
             snapshots, gpu, scraped_at = data
             for policy in policies:
                 policy.scraped(snapshots, gpu, scraped_at)
 
-    ordered = [outcomes[r.index] for r in requests]
-    return summarize(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
+    ordered = [outcomes[i] for i in sorted(outcomes)]
+    result = summarize(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
+    queries = sum(e.prefix_queries_total for e in engines)
+    result.hit_rate = round(sum(e.prefix_hits_total for e in engines) / queries, 4) if queries else None
+    result.rate = scenario.arrival_rate
+    return result
 

@@ -105,7 +105,7 @@ def render_metrics(replica: LiveReplica, base_model: str) -> str:
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
         "# TYPE vllm:cache_config_info gauge",
         f'vllm:cache_config_info{{block_size="{engine.config.block_size}",cache_dtype="auto",'
-        f'enable_prefix_caching="False",gpu_memory_utilization="0.9",num_cpu_blocks="512",'
+        f'enable_prefix_caching="{engine.config.prefix_caching}",gpu_memory_utilization="0.9",num_cpu_blocks="512",'
         f'num_gpu_blocks="{engine.config.kv_blocks}",num_gpu_blocks_override="None",sliding_window="None"}} 1.0',
         "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
         "# TYPE vllm:num_preemptions_total counter",
@@ -116,6 +116,12 @@ def render_metrics(replica: LiveReplica, base_model: str) -> str:
         "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
         "# TYPE vllm:generation_tokens_total counter",
         f"vllm:generation_tokens_total{{{label}}} {float(engine.generation_tokens_total)}",
+        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        f"vllm:prefix_cache_queries_total{{{label}}} {float(engine.prefix_queries_total)}",
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+        "# TYPE vllm:prefix_cache_hits_total counter",
+        f"vllm:prefix_cache_hits_total{{{label}}} {float(engine.prefix_hits_total)}",
         "# HELP vllm:request_success_total Count of successfully processed requests.",
         "# TYPE vllm:request_success_total counter",
     ]

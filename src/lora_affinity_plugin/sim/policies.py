@@ -12,9 +12,12 @@ from collections import defaultdict, deque
 
 from ..fleet import FleetView
 from ..inflight import PeerShare
-from ..scheduling import NoCapacity, PodMetrics, RouteRequest, Shed, choose_pod
+from ..prefix_index import SHARE_MAX_BLOCKS
+from ..scheduling import NoCapacity, PodMetrics, Shed, choose_pod
 from ..settings import Settings, build_settings
 from ..store import PodRecord
+
+BASE_MODEL = "meta-llama/Llama-2-7b-hf"
 
 
 class Policy:
@@ -27,7 +30,8 @@ class Policy:
         self.replicas = replicas
         self.rng = rng
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         raise NotImplementedError
 
     def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
@@ -41,6 +45,13 @@ class Policy:
         return None
 
     def peers(self, share: PeerShare) -> None:
+        pass
+
+    def take_prefixes(self) -> list:
+        """Index entries this gateway shares with its peers this refresh."""
+        return []
+
+    def peer_prefixes(self, entries: list) -> None:
         pass
 
     def scraped(self, snapshots: list[PodMetrics], gpu: list[frozenset[str]], at: float) -> None:
@@ -57,7 +68,8 @@ class PerConnectionRandom(Policy):
         super().__init__(replicas, rng)
         self._pinned: dict[int, int] = {}
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         if connection not in self._pinned:
             self._pinned[connection] = self.rng.randrange(self.replicas)
         return self._pinned[connection]
@@ -66,7 +78,8 @@ class PerConnectionRandom(Policy):
 class SimpleShuffle(Policy):
     name = "simple-shuffle"
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         return self.rng.randrange(self.replicas)
 
 
@@ -79,7 +92,8 @@ class LeastBusy(Policy):
         super().__init__(replicas, rng)
         self.in_flight = [0] * replicas
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         low = min(self.in_flight)
         choice = self.rng.choice([i for i, n in enumerate(self.in_flight) if n == low])
         self.in_flight[choice] += 1
@@ -98,7 +112,8 @@ class LatencyBased(Policy):
         super().__init__(replicas, rng)
         self.samples = [deque(maxlen=10) for _ in range(replicas)]
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         scores = [sum(s) / len(s) if s else 0.0 for s in self.samples]
         low = min(scores)
         return self.rng.choice([i for i, v in enumerate(scores) if v == low])
@@ -116,7 +131,8 @@ class UsageBasedV2(Policy):
         super().__init__(replicas, rng)
         self.tpm: dict[tuple[int, int], int] = defaultdict(int)
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         minute = int(now // 60)
         usage = [self.tpm[(minute, i)] for i in range(self.replicas)]
         low = min(usage)
@@ -140,7 +156,8 @@ class SeedPicker(Policy):
     def scraped(self, snapshots, gpu, at) -> None:
         self.gpu = gpu
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         holders = [i for i, slots in enumerate(self.gpu) if adapter in slots]
         return self.rng.choice(holders) if holders else self.rng.randrange(self.replicas)
 
@@ -154,7 +171,8 @@ class StaticPartition(Policy):
         super().__init__(replicas, rng)
         self.home: dict[str, int] = {}
 
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         if adapter not in self.home:
             self.home[adapter] = len(self.home) % self.replicas
         return self.home[adapter]
@@ -171,21 +189,34 @@ class Rules(Policy):
         self.keys = [f"r{i}" for i in range(replicas)]
         self.fallbacks = 0
 
-    def scraped(self, snapshots, gpu, at) -> None:
-        self.fleet.update({k: PodRecord(k, at, m) for k, m in zip(self.keys, snapshots)})
-
-    def route(self, adapter: str, connection: int, now: float, call_id: str = "") -> int:
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
         candidates = self.fleet.candidates(self.keys, now)
         if not candidates:
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
+        request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, None, self.keys, self.settings)
         try:
-            decision = choose_pod(candidates, RouteRequest(adapter), self.settings, self.rng)
+            decision = choose_pod(candidates, request, self.settings, self.rng)
         except (Shed, NoCapacity):
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
         self.fleet.note_dispatch(decision.pod, adapter, now, call_id)
+        if request.prefix_hashes:
+            self.fleet.note_prefix(decision.pod, request.prefix_hashes, now)
         return self.keys.index(decision.pod)
+
+    def scraped(self, snapshots, gpu, at) -> None:
+        self.fleet.update({k: PodRecord(k, at, m) for k, m in zip(self.keys, snapshots)})
+        self.fleet.maintain(at)
+
+    def take_prefixes(self) -> list:
+        entries = self.fleet.prefixes.take_outbox(SHARE_MAX_BLOCKS)
+        return entries if self.settings.share_prefixes else []
+
+    def peer_prefixes(self, entries: list) -> None:
+        for pod, at, hashes in entries:
+            self.fleet.prefixes.add(pod, hashes, at, share=False)
 
     def ended(self, call_id: str) -> None:
         self.fleet.end(call_id)
@@ -199,24 +230,48 @@ class Rules(Policy):
         self.fleet.update_peers(share)
 
 
+class PrefixPartition(Policy):
+    """A reference for the hit rate, not a product: each prompt group or session pinned to one pod, round robin."""
+
+    name = "prefix-partition"
+
+    def __init__(self, replicas: int, rng: random.Random) -> None:
+        super().__init__(replicas, rng)
+        self.home: dict[int, int] = {}
+
+    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
+              messages: list | None = None, group: int = 0) -> int:
+        if group not in self.home:
+            self.home[group] = len(self.home) % self.replicas
+        return self.home[group]
+
+
 GIE_V02 = {"rule_set": "gie-v0.2", "count_dispatches": False, "remember_residency": False}
 STRATEGY_NAMES = [
     "per-connection-random", "simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2",
     "seed-picker", "gie-v0.2", "lora-affinity-unshared", "lora-affinity",
 ]
-UNSHARED = {"share_inflight": False}
-"""lora-affinity without in-flight sharing between gateways (what --gateways N compares against)."""
+UNSHARED = {"share_inflight": False, "share_prefixes": False}
+"""lora-affinity without sharing between gateways (what --gateways N compares against)."""
+NO_PREFIX = {"prefix_affinity": False}
+LLMD_PREFIX = {"rule_set": "llmd-prefix", "count_dispatches": False, "remember_residency": False,
+               "share_inflight": False, "share_prefixes": False}
+"""The llm-d router: scores on scraped metrics; each router replica keeps its own index."""
+SGLANG_CACHE_AWARE = {"rule_set": "sglang-cache-aware", "share_inflight": False, "share_prefixes": False}
+"""SGLang's router: counts its own requests in flight; a tree per router replica (no mesh)."""
+PREFIX_STRATEGIES = ["simple-shuffle", "least-busy", "gie-v0.2", "llmd-prefix", "sglang-cache-aware",
+                     "lora-affinity-noprefix", "lora-affinity"]
+RULE_SETS = {"gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
+             "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE}
+"""Strategies that are the plugin's own code with these settings (in fast mode and live)."""
 
 
 def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | None = None) -> Policy:
     simple = {c.name: c for c in (PerConnectionRandom, SimpleShuffle, LeastBusy, LatencyBased, UsageBasedV2, SeedPicker,
-                                   StaticPartition)}
+                                   StaticPartition, PrefixPartition)}
     if name in simple:
         return simple[name](replicas, rng)
-    if name == "gie-v0.2":
-        return Rules(replicas, rng, build_settings({**GIE_V02, **(overrides or {})}, environ={}), name)
-    if name == "lora-affinity":
-        return Rules(replicas, rng, build_settings(overrides or {}, environ={}), name)
-    if name == "lora-affinity-unshared":
-        return Rules(replicas, rng, build_settings({**UNSHARED, **(overrides or {})}, environ={}), name)
-    raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(STRATEGY_NAMES)}")
+    if name in RULE_SETS:
+        return Rules(replicas, rng, build_settings({**RULE_SETS[name], **(overrides or {})}, environ={}), name)
+    choices = [*STRATEGY_NAMES, *sorted(set(RULE_SETS) - set(STRATEGY_NAMES)), "static-partition", "prefix-partition"]
+    raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(choices)}")

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from .engine import EngineConfig, ReplicaEngine, Sequence
+from .kv_cache import block_hashes, count_tokens, prompt_text
 from .metrics_page import render_metrics
 
 DISCONNECT_POLL_S = 0.05
@@ -123,8 +124,10 @@ class LiveReplica:
             self.lora_history.append((time.time(), running, waiting))
             del self.lora_history[:-3]
 
-    def submit(self, adapter: str | None, prompt_tokens: int, max_tokens: int) -> tuple[Sequence, asyncio.Queue]:
-        seq = Sequence(uuid.uuid4().hex, adapter, prompt_tokens, self.engine.output_length(max_tokens), self.now())
+    def submit(self, adapter: str | None, prompt_tokens: int, max_tokens: int,
+               hashes: tuple[int, ...] = ()) -> tuple[Sequence, asyncio.Queue]:
+        seq = Sequence(uuid.uuid4().hex, adapter, prompt_tokens, self.engine.output_length(max_tokens), self.now(),
+                       block_hashes=hashes)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[id(seq)] = queue
         self.engine.add(seq)
@@ -136,15 +139,6 @@ class LiveReplica:
         if seq.finished_at is None:
             self.engine.abort(seq)
             self._wake.set()
-
-
-def _prompt_tokens(body: dict) -> int:
-    if "messages" in body:
-        text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
-    else:
-        prompt = body.get("prompt", "")
-        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
-    return max(1, round(len(text.split()) * 1.9))  # ~17 tokens for the seed's 9-word prompt
 
 
 def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = None) -> Starlette:
@@ -174,7 +168,18 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
         adapter = None if model == base_model else model
         chat = request.url.path.endswith("/chat/completions")
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        seq, queue = replica.submit(adapter, _prompt_tokens(body), max_tokens)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            return error(400, "cache_salt: Input should be a valid string")
+        text = prompt_text(body)
+        prompt_tokens = count_tokens(text)
+        limit = replica.engine.config.max_model_len
+        if prompt_tokens + max_tokens > limit:
+            return error(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                              f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
+        hashes = block_hashes(text, adapter, salt, replica.engine.config.block_size)
+        seq, queue = replica.submit(adapter, prompt_tokens, max_tokens, hashes)
         if body.get("stream"):
             return StreamingResponse(_stream(seq, queue, model, chat), media_type="text/event-stream")
         try:
@@ -248,7 +253,8 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
 
 def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
     config = EngineConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, kv_blocks=args.kv_blocks,
-                          base_model=args.base_model, min_output_tokens=args.min_output_tokens)
+                          base_model=args.base_model, min_output_tokens=args.min_output_tokens,
+                          prefix_caching=args.prefix_caching, max_model_len=args.max_model_len)
     adapters = set(args.adapters.split(",")) if args.adapters else None
     warm = args.warm_adapters.split(",") if args.warm_adapters else []
     replicas = []

@@ -1,0 +1,200 @@
+"""`bench --scenario shared-prefix|multi-turn`: latency under open-loop load, swept over arrival rates.
+
+Per rate and strategy: completed, errors, TTFT / ITL / end-to-end percentiles, output tokens per
+second and the fleet's prefix-cache hit rate from the replicas' own counters. Fast mode reports the
+median over --seeds of each figure; live mode runs real proxies (live.py). The summary checks the
+KV-reuse goals at the rate where simple-shuffle's TTFT p90 first exceeds 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..sim.policies import PREFIX_STRATEGIES
+from .results import Result, refusal, write_json
+from .scenarios import Scenario, at_rate, get_scenario
+
+TTFT_TARGET_S = 1.0
+REFERENCES = ("llmd-prefix", "sglang-cache-aware")
+
+
+def rates_of(args: argparse.Namespace, scenario: Scenario) -> list[float]:
+    if args.rates:
+        return [float(r) for r in args.rates.split(",") if r.strip()]
+    if args.rate is not None:
+        return [args.rate]
+    return list(scenario.rates)
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    scenario = get_scenario(args.scenario)
+    if args.minutes_of_load:
+        scenario = _with_duration(scenario, args.minutes_of_load * 60)
+    strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else \
+        PREFIX_STRATEGIES + (["prefix-partition"] if args.mode == "fast" else [])
+    rates = rates_of(args, scenario)
+    print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, {scenario.duration_s:.0f} s "
+          f"of arrivals per rate (simulated); mode {args.mode}; gateways {args.gateways}; rates {rates} req/s")
+    results: list[Result] = []
+    for rate in rates:
+        at = at_rate(scenario, rate)
+        results += _run_fast(at, strategies, args) if args.mode == "fast" else _run_live(at, strategies, args)
+    refused = [reason for r in results if (reason := refusal(r))]
+    results = [r for r in results if not refusal(r)]
+    print(format_latency_table(results))
+    print(goals_summary(results))
+    if args.json_path:
+        write_json(results, args.json_path)
+        print(f"results written to {args.json_path}")
+    chart = write_latency_chart(results, args.chart, f"{scenario.name} ({args.mode} mode)")
+    if chart:
+        print(f"chart written to {chart}")
+    for reason in refused:
+        print(f"refused: {reason}", file=sys.stderr)
+    return 1 if refused else 0
+
+
+def _with_duration(scenario: Scenario, seconds: float) -> Scenario:
+    from dataclasses import replace
+
+    return replace(scenario, duration_s=seconds)
+
+
+def _run_fast(scenario: Scenario, strategies: list[str], args: argparse.Namespace) -> list[Result]:
+    from ..sim.fast import run_fast
+
+    seeds = range(args.seed, args.seed + max(1, args.seeds))
+    out = []
+    with tqdm(total=len(strategies) * len(seeds), desc=f"rate {scenario.arrival_rate:g}", unit="run",
+              leave=False) as bar:
+        for strategy in strategies:
+            runs = []
+            for seed in seeds:
+                runs.append(run_fast(scenario, strategy, seed=seed, gateways=args.gateways))
+                bar.update()
+            out.append(median_latency(runs))
+    return out
+
+
+def _run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace) -> list[Result]:
+    from .live import run_live
+
+    return run_live(scenario, strategies, args, args.gateways)
+
+
+def median_latency(runs: list[Result]) -> Result:
+    """Each figure's median over seeds."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+
+    def med(get) -> float:
+        return round(statistics.median(get(r) for r in runs), 4)
+
+    def pct(name: str) -> dict[str, float]:
+        keys = getattr(first, name).keys()
+        return {k: med(lambda r, k=k: getattr(r, name).get(k, 0.0)) for k in keys}
+
+    return Result(
+        strategy=first.strategy, scenario=first.scenario, mode=first.mode, completed=int(med(lambda r: r.completed)),
+        timeouts=int(med(lambda r: r.timeouts)), errors=int(med(lambda r: r.errors)),
+        duration_s=med(lambda r: r.duration_s), output_tokens=int(med(lambda r: r.output_tokens)),
+        ttft_s=pct("ttft_s"), e2e_s=pct("e2e_s"), itl_s=pct("itl_s"), per_replica=first.per_replica,
+        seeds=len(runs), hit_rate=med(lambda r: r.hit_rate or 0.0), rate=first.rate)
+
+
+def format_latency_table(results: list[Result]) -> str:
+    head = (f"{'rate':>5} {'strategy':<24}{'done':>6}{'err':>5}{'TTFT p50/p90/p99 s':>22}{'ITL p50/p90 ms':>16}"
+            f"{'e2e p50/p90 s':>15}{'out tok/s':>10}{'hit rate':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        t, i, e = r.ttft_s or {}, r.itl_s or {}, r.e2e_s or {}
+        ttft = "/".join(f"{t[k]:.2f}" for k in ("p50", "p90", "p99")) if t else "-"
+        itl = "/".join(f"{i[k] * 1000:.0f}" for k in ("p50", "p90")) if i else "-"
+        e2e = "/".join(f"{e[k]:.1f}" for k in ("p50", "p90")) if e else "-"
+        hit = f"{r.hit_rate:.1%}" if r.hit_rate is not None else "-"
+        lines.append(f"{r.rate or 0:>5g} {r.strategy:<24}{r.completed:>6}{r.errors + r.timeouts:>5}{ttft:>22}{itl:>16}"
+                     f"{e2e:>15}{r.output_tokens_per_s:>10.0f}{hit:>9}")
+    return "\n".join(lines)
+
+
+def _p90(r: Result) -> float:
+    return (r.ttft_s or {}).get("p90", float("inf"))
+
+
+def goals_summary(results: list[Result]) -> str:
+    """The issue's goals, measured: at the rate where simple-shuffle's TTFT p90 first exceeds 1 s."""
+    by = {(r.rate, r.strategy): r for r in results}
+    rates = sorted({r.rate for r in results if r.rate is not None})
+    shuffle_over = [rate for rate in rates if (rate, "simple-shuffle") in by and _p90(by[rate, "simple-shuffle"]) > TTFT_TARGET_S]
+    lines = []
+    if shuffle_over and (shuffle_over[0], "lora-affinity") in by:
+        rate = shuffle_over[0]
+        ours = by[rate, "lora-affinity"]
+        others = [r for (x, name), r in by.items() if x == rate and name not in ("lora-affinity", "prefix-partition")]
+        lines.append(f"at {rate:g} req/s (simple-shuffle's TTFT p90 {_p90(by[rate, 'simple-shuffle']):.2f} s > 1 s):")
+        best_other = max(others, key=lambda r: r.hit_rate or 0.0, default=None)
+        if best_other is not None:
+            lines.append(_check(f"hit rate {ours.hit_rate:.1%} >= every other strategy's (best: {best_other.strategy} "
+                                f"{best_other.hit_rate:.1%})", (ours.hit_rate or 0) >= (best_other.hit_rate or 0)))
+        partition = by.get((rate, "prefix-partition"))
+        if partition is not None and partition.hit_rate:
+            lines.append(_check(f"hit rate >= 90% of prefix-partition's ({ours.hit_rate / partition.hit_rate:.1%})",
+                                (ours.hit_rate or 0) >= 0.9 * partition.hit_rate))
+        noprefix = by.get((rate, "lora-affinity-noprefix"))
+        if noprefix is not None:
+            lines.append(_check(f"TTFT p90 {_p90(ours):.3f} s <= half of lora-affinity-noprefix's ({_p90(noprefix):.3f} s)",
+                                _p90(ours) <= _p90(noprefix) / 2))
+        refs = [by[rate, name] for name in REFERENCES if (rate, name) in by]
+        if refs:
+            best = min(refs, key=_p90)
+            lines.append(_check(f"TTFT p90 {_p90(ours):.3f} s <= the best reference's ({best.strategy} "
+                                f"{_p90(best):.3f} s)", _p90(ours) <= _p90(best)))
+    goodput = {}
+    for name in ("simple-shuffle", "lora-affinity"):
+        ok = [rate for rate in rates if (rate, name) in by and _p90(by[rate, name]) < TTFT_TARGET_S]
+        goodput[name] = max(ok) if ok else 0.0
+    if goodput.get("simple-shuffle"):
+        ratio = goodput["lora-affinity"] / goodput["simple-shuffle"]
+        lines.append(_check(f"highest swept rate with TTFT p90 < 1 s: lora-affinity {goodput['lora-affinity']:g}, "
+                            f"simple-shuffle {goodput['simple-shuffle']:g} req/s ({ratio:.2f}x >= 1.5x)", ratio >= 1.5))
+    return "\n".join(lines) if lines else "(goals need simple-shuffle and lora-affinity over a sweep that overloads simple-shuffle)"
+
+
+def _check(text: str, ok: bool) -> str:
+    return f"  {'met   ' if ok else 'missed'} {text}"
+
+
+def write_latency_chart(results: list[Result], path: str, title: str) -> str | None:
+    """TTFT p90 against arrival rate, one line per strategy; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(r.strategy for r in results):
+        rows = sorted((r for r in results if r.strategy == name), key=lambda r: r.rate or 0)
+        style = {"linewidth": 2.5, "color": "tab:green"} if name == "lora-affinity" else {"linewidth": 1}
+        axes[0].plot([r.rate for r in rows], [_p90(r) for r in rows], marker="o", label=name, **style)
+        axes[1].plot([r.rate for r in rows], [r.hit_rate or 0 for r in rows], marker="o", label=name, **style)
+    axes[0].set_yscale("log")
+    axes[0].axhline(TTFT_TARGET_S, color="red", linestyle=":", linewidth=1)
+    axes[0].set_xlabel("arrival rate (requests/s)")
+    axes[0].set_ylabel("TTFT p90 (s, log scale)")
+    axes[1].set_xlabel("arrival rate (requests/s)")
+    axes[1].set_ylabel("fleet prefix-cache hit rate")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

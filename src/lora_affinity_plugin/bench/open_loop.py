@@ -1,0 +1,88 @@
+"""The open-loop client of the KV-reuse benchmarks: requests arrive on their own clock.
+
+Each request is sent at its arrival time whatever is still in flight (no connection limit), as a
+streamed chat completion, so time to first token and inter-token latency are measured per request.
+A multi-turn session's next turn is sent a think time after its reply, carrying the reply it got.
+Times are in simulated seconds (real seconds x speed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from .prefix_workloads import PrefixWorkload, PromptRequest
+from .results import RequestOutcome
+
+
+async def run_open_loop(workload: PrefixWorkload, targets: list[str], speed: float, deadline_s: float, *,
+                        api_key: str | None, on_done=None) -> tuple[list[RequestOutcome], float]:
+    outcomes: dict[int, RequestOutcome] = {}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    start = time.monotonic()
+    last_event = [0.0]
+    tasks: set[asyncio.Task] = set()
+
+    def schedule(session: aiohttp.ClientSession, req: PromptRequest) -> None:
+        task = asyncio.create_task(one(session, req))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def one(session: aiohttp.ClientSession, req: PromptRequest) -> None:
+        delay = req.arrival / speed - (time.monotonic() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        outcome, reply = await send(session, targets[req.index % len(targets)], req)
+        outcomes[req.index] = outcome
+        last_event[0] = max(last_event[0], time.monotonic() - start)
+        if on_done:
+            on_done()
+        nxt = workload.follow_up(req, reply, (time.monotonic() - start) * speed)
+        if nxt is not None:
+            schedule(session, nxt)
+
+    async def send(session: aiohttp.ClientSession, base: str, req: PromptRequest) -> tuple[RequestOutcome, str]:
+        body = {"model": req.model, "messages": req.messages, "max_tokens": req.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent = time.monotonic()
+        created = start + req.arrival / speed
+        first = last = None
+        tokens, reply = 0, []
+        try:
+            async with asyncio.timeout(deadline_s / speed):
+                async with session.post(base + "/v1/chat/completions", json=body, headers=headers) as resp:
+                    if resp.status != 200:
+                        text = (await resp.read())[:200].decode(errors="replace")
+                        return RequestOutcome(None, False, e2e_s=(time.monotonic() - sent) * speed,
+                                              error=f"HTTP {resp.status}: {text[:80]}"), ""
+                    async for line in resp.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices") or ():
+                            content = (choice.get("delta") or {}).get("content")
+                            if content:
+                                last = time.monotonic()
+                                first = first or last
+                                reply.append(content)
+                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+        except (asyncio.TimeoutError, TimeoutError):
+            return RequestOutcome(None, False), ""
+        except aiohttp.ClientError as exc:
+            return RequestOutcome(None, False, e2e_s=(time.monotonic() - sent) * speed,
+                                  error=f"{type(exc).__name__}: {exc}"[:120]), ""
+        end = time.monotonic()
+        itl = (last - first) * speed / (tokens - 1) if first and last and tokens > 1 else None
+        return RequestOutcome(None, True, tokens, (first - created) * speed if first else None,
+                              (end - created) * speed, itl_s=itl), "".join(reply)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for req in workload.initial():
+            schedule(session, req)
+        while tasks:
+            await asyncio.gather(*list(tasks))
+    return [outcomes[i] for i in sorted(outcomes)], last_event[0] * speed

@@ -1,0 +1,112 @@
+"""Prompts that share long prefixes, for the KV-reuse benchmarks; the same for fast and live mode.
+
+- ``shared-prefix``: the shape of the Kubernetes `inference-perf` tool's shared_prefix generator:
+  groups of requests share a system prompt, each request asks its own question; groups on adapters
+  and on the base model; more system prompts than one replica's cache holds.
+- ``multi-turn``: chat sessions of a few apps (each an adapter, or the base model, with its own
+  system prompt); every turn resends the whole history (the app's system prompt, the earlier
+  questions and the replies received) after a think time. An app's sessions outnumber what one
+  replica serves, so adapter affinity alone scatters a session's turns over the app's replicas.
+
+Arrivals are open-loop (Poisson at the scenario's rate): a slow fleet does not slow the client
+down. In multi-turn the first turns arrive that way; a session's next turn follows its reply.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from .scenarios import Scenario
+
+CHARS_PER_TOKEN = 3
+"""Text is generated at the simulator's tokenization, so `system_tokens` are the replica's tokens."""
+BASE_MODEL = "meta-llama/Llama-2-7b-hf"
+_WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+@dataclass
+class PromptRequest:
+    index: int
+    arrival: float
+    adapter: str | None
+    """None: the base model."""
+    messages: list[dict]
+    group: int
+    """System prompt (shared-prefix) or session (multi-turn): what prefix-partition pins."""
+    max_tokens: int
+    turn: int = 0
+    stream: bool = True
+
+    @property
+    def model(self) -> str:
+        return self.adapter or BASE_MODEL
+
+
+def text(rng: random.Random, tokens: int) -> str:
+    words, size = [], 0
+    while size < tokens * CHARS_PER_TOKEN:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+@dataclass
+class PrefixWorkload:
+    """The requests of one run; `follow_up` yields a session's next turn once a reply arrives."""
+
+    scenario: Scenario
+    seed: int
+    _next_index: int = 0
+    _sessions: dict[int, list[dict]] = field(default_factory=dict)
+    _systems: dict[int, str] = field(default_factory=dict)
+
+    def initial(self) -> list[PromptRequest]:
+        s = self.scenario
+        rng = random.Random(f"{self.seed}-prefix-workload")
+        out, t = [], 0.0
+        count = s.requests if s.kind == "shared-prefix" else max(1, round(s.requests / max(1, s.turns)))
+        rate = (s.arrival_rate or 1.0) if s.kind == "shared-prefix" else (s.arrival_rate or 1.0) / max(1, s.turns)
+        for i in range(count):
+            t += rng.expovariate(rate)
+            if s.kind == "shared-prefix":
+                group = rng.randrange(s.groups)
+                adapter = None if group >= s.groups - s.base_groups else s.adapters[group % len(s.adapters)]
+                question = f"Question {i}: " + text(rng, s.question_tokens)
+                messages = [{"role": "system", "content": self._system(group)},
+                            {"role": "user", "content": question}]
+                out.append(self._request(t, adapter, messages, group, 0))
+            else:
+                app = rng.randrange(len(s.adapters) + s.base_groups)  # the last base_groups apps use the base model
+                history = [{"role": "system", "content": self._system(app)}]
+                self._sessions[i] = history
+                out.append(self._turn(i, t, s.adapters[app] if app < len(s.adapters) else None, 0))
+        return out
+
+    def follow_up(self, request: PromptRequest, reply: str, now: float) -> PromptRequest | None:
+        """The session's next turn, after the reply and a think time; None when the session is over."""
+        s = self.scenario
+        if s.kind != "multi-turn" or request.turn + 1 >= s.turns:
+            return None
+        history = self._sessions[request.group]
+        history.append({"role": "assistant", "content": reply})
+        think = random.Random(f"{self.seed}-think-{request.group}-{request.turn}").expovariate(1 / s.think_s)
+        return self._turn(request.group, now + think, request.adapter, request.turn + 1)
+
+    def _turn(self, session: int, at: float, adapter: str | None, turn: int) -> PromptRequest:
+        rng = random.Random(f"{self.seed}-session-{session}-{turn}")
+        history = self._sessions[session]
+        history.append({"role": "user", "content": f"Turn {turn}: " + text(rng, self.scenario.question_tokens)})
+        return self._request(at, adapter, [dict(m) for m in history], session, turn)
+
+    def _request(self, at: float, adapter: str | None, messages: list[dict], group: int, turn: int) -> PromptRequest:
+        index, self._next_index = self._next_index, self._next_index + 1
+        return PromptRequest(index, at, adapter, messages, group, self.scenario.max_tokens, turn)
+
+    def _system(self, key: int) -> str:
+        if key not in self._systems:
+            rng = random.Random(f"system-{key}")
+            self._systems[key] = f"You are assistant number {key}. " + text(rng, self.scenario.system_tokens)
+        return self._systems[key]

@@ -1,0 +1,130 @@
+"""A prompt's prefix as chained block hashes: what the prefix index stores and matches.
+
+The router cannot see the replicas' tokenizer, so it cuts the prompt's text (chat messages rendered
+canonically, or the completion prompt) into blocks of `prefix_block_chars` bytes of UTF-8 and hashes
+them in a chain: block i's hash covers every byte before it. The chain is seeded by the adapter (or
+base model) and the request's `cache_salt`, as vLLM's own block hash is, so the same text under
+another adapter or salt never matches. A partial last block is not hashed.
+
+Time is bounded by the input: at most `prefix_max_chars` of the prompt is rendered and hashed,
+whatever the request holds (a 10 MB prompt costs what its first `prefix_max_chars` cost).
+CRC-32 chains are cheap (one C call a block) and stable across processes; a 32-bit collision
+costs at most one misplaced request, never a failed one.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Iterable
+
+_ROLE_END = "\x1f"
+_MESSAGE_END = "\x1e"
+
+
+def render_prompt(messages: Any, limit: int) -> str:
+    """The first `limit` characters of a prompt in one canonical form, whatever the body holds.
+
+    `messages` is LiteLLM's view of the request: chat messages, or a text completion's prompt wrapped
+    as one user message. Content parts other than text (images, audio) render as their type and URL
+    or data, so two prompts that differ only in an image differ here too. Anything malformed renders
+    as what can be read of it; nothing raises.
+    """
+    if isinstance(messages, str):
+        return messages[:limit]
+    if not isinstance(messages, (list, tuple)):
+        return ""
+    out: list[str] = []
+    size = 0
+    for message in messages:
+        if size >= limit:
+            break
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        piece = (role if isinstance(role, str) else "") + _ROLE_END
+        out.append(piece)
+        size += len(piece)
+        for text in _content_texts(message.get("content"), limit - size):
+            out.append(text)
+            size += len(text)
+            if size >= limit:
+                break
+        out.append(_MESSAGE_END)
+        size += 1
+    return "".join(out)[:limit]
+
+
+def _content_texts(content: Any, budget: int) -> Iterable[str]:
+    if isinstance(content, str):
+        yield content[:budget]
+        return
+    if not isinstance(content, (list, tuple)):
+        return
+    for part in content:
+        if budget <= 0:
+            return
+        if isinstance(part, str):
+            text = part[:budget]
+        elif isinstance(part, dict):
+            kind = part.get("type")
+            value = part.get(kind) if isinstance(kind, str) else None
+            if isinstance(value, dict):  # {"type": "image_url", "image_url": {"url": ...}}
+                value = value.get("url") or value.get("data")
+            text = f"<{kind}>{value[:budget] if isinstance(value, str) else ''}" if kind != "text" else \
+                (part.get("text")[:budget] if isinstance(part.get("text"), str) else "")
+        else:
+            continue
+        budget -= len(text)
+        yield text
+
+
+def prefix_hashes(text: str, scope: str, salt: str | None, block_chars: int) -> tuple[int, ...]:
+    """Chained hashes of the text's full blocks, seeded by `scope` (adapter or model) and salt."""
+    data = text.encode("utf-8", "surrogatepass")
+    full = len(data) - len(data) % block_chars
+    if not full:
+        return ()
+    crc = zlib.crc32(f"{scope}\x00{salt or ''}\x00".encode("utf-8", "surrogatepass"))
+    view = memoryview(data)
+    out = []
+    for start in range(0, full, block_chars):
+        crc = zlib.crc32(view[start:start + block_chars], crc)
+        out.append(crc)
+    return tuple(out)
+
+
+def request_salt(request_kwargs: Any) -> str | None:
+    """The request's `cache_salt` (top level or in `extra_body`); a non-string one is ignored."""
+    if not isinstance(request_kwargs, dict):
+        return None
+    salt = request_kwargs.get("cache_salt")
+    if salt is None and isinstance(request_kwargs.get("extra_body"), dict):
+        salt = request_kwargs["extra_body"].get("cache_salt")
+    return salt if isinstance(salt, str) else None
+
+
+def placement_key(scope: str, hashes: tuple[int, ...]) -> int:
+    """What gateways agree on when placing a new adapter or prefix: the scope and the first block."""
+    return zlib.crc32(f"{scope}\x00{hashes[0] if hashes else ''}".encode("utf-8", "surrogatepass"))
+
+
+def rendezvous(key: int, pod: str) -> int:
+    """Highest-random-weight hashing: every gateway ranks the pods for `key` the same way."""
+    x = (zlib.crc32(pod.encode("utf-8", "surrogatepass")) << 32 | key) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64  # splitmix64's finalizer: CRC alone is linear
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def prompt_prefix(messages: Any, scope: str, request_kwargs: Any, settings: Any) -> tuple[int, ...]:
+    """The request's chain under `settings` (empty when prefix affinity is off or the prompt is short)."""
+    if not settings.prefix_affinity or not settings.prefix_max_chars:
+        return ()
+    if settings.rule_set == "sglang-cache-aware":
+        scope = ""  # its radix tree is per worker, not per adapter
+    text = render_prompt(messages, settings.prefix_max_chars)
+    hashes = prefix_hashes(text, scope, request_salt(request_kwargs), settings.prefix_block_chars)
+    return hashes if len(hashes) >= settings.prefix_min_blocks else ()

@@ -1,0 +1,176 @@
+"""The proxy's callback: installs the routing strategy on LiteLLM's router and keeps requests counted.
+
+Listed once in the proxy's `config.yaml` (`lora_affinity_plugin.strategy.proxy_plugin`, which
+resolves to `proxy_plugin` here). The request path itself is in `strategy.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Mapping
+
+from litellm.integrations.custom_logger import CustomLogger
+
+from .discovery import install_listing
+from .fleet import FleetView
+from .pods import discover_pods
+from .pooling import warn_if_litellm_outlives_server_keepalive
+from .settings import Settings, load_config, settings_from_config
+from .strategy import LoraAffinityStrategy, install, installed_strategy, logger
+
+
+def _configure_logging() -> None:
+    """Inside the proxy our records get their own timestamped handler (the host's filters by level)."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(os.environ.get("LORA_AFFINITY_LOG_LEVEL", "INFO").upper())
+
+
+class ProxyPlugin(CustomLogger):
+    """Listed in `litellm_settings.callbacks`; installs the strategy on the proxy's router and keeps it.
+
+    The proxy offers no start-up hook that hands a callback the router, and drops a custom strategy
+    when its settings change or the router is rebuilt: so a watcher re-installs it, and every
+    request's pre-call hook checks once more.
+
+    It also keeps the in-flight counts: up when LiteLLM sends a call to a deployment, down once from
+    whichever ending hook fires first (which fire in which case: docs/litellm-integration-notes). The
+    proxy only calls hooks defined on the registered class itself, so they are all defined here.
+    """
+
+    WATCH_INTERVAL_S = 0.2
+
+    def __init__(self) -> None:
+        super().__init__()
+        _configure_logging()
+        self._settings: Settings | None = None
+        self._fleet: FleetView | None = None
+        self._scraper_task: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._strategy: LoraAffinityStrategy | None = None
+        self._listing_installed = False
+        try:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="lora-affinity-install")
+        except RuntimeError:
+            pass  # imported outside the proxy's loop: the first request installs it
+
+    def settings(self) -> Settings:
+        if self._settings is None:
+            from litellm.proxy import proxy_server
+
+            path = getattr(proxy_server, "user_config_file_path", None)
+            config = load_config(path) if path else {}
+            self._settings = settings_from_config(config)
+            self._fleet = FleetView(self._settings)
+            if self._settings.embedded_scraper:
+                self._start_embedded_scraper(config)
+        return self._settings
+
+    def _start_embedded_scraper(self, config: dict) -> None:
+        from .engines import pod_engines
+        from .scraper import Scraper
+
+        model_list = config.get("model_list") or []
+        scraper = Scraper(self._settings, discover_pods(model_list),
+                          engines=pod_engines(model_list, self._settings.default_engine))
+        self._scraper_task = asyncio.get_running_loop().create_task(scraper.run())
+
+    def ensure_installed(self) -> LoraAffinityStrategy | None:
+        from litellm.proxy import proxy_server
+
+        router = getattr(proxy_server, "llm_router", None)
+        if router is None:
+            return None
+        strategy = installed_strategy(router)
+        if strategy is None:
+            if self._strategy is not None:
+                self._strategy.stop()  # the router was rebuilt or reset: one refresher at a time
+            strategy = self._strategy = install(router, self.settings(), fleet=self._fleet, hooks_end_calls=True)
+            logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
+                        self.settings().redacted_redis_url())
+            warn_if_litellm_outlives_server_keepalive(self.settings().upstream_keepalive_ms)
+        if not self._listing_installed:  # the proxy adds its routes during start-up: look until they are there
+            app = getattr(proxy_server, "app", None)
+            if app is not None and install_listing(app, self._served_models, self._named_groups):
+                self._listing_installed = True
+                logger.info("lora-affinity adds the fleet's models to /v1/models")
+        return strategy
+
+    def _served_models(self) -> frozenset[str]:
+        strategy = self._strategy
+        if strategy is None or strategy.follower is None or not strategy.settings.list_served_models:
+            return frozenset()
+        return strategy.follower.served_models
+
+    def _named_groups(self) -> list[str]:
+        router = self._strategy.router if self._strategy is not None else None
+        return [d.get("model_name", "") for d in (router.model_list if router else []) if "*" not in d.get("model_name", "")]
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                self.ensure_installed()
+            except Exception:
+                logger.exception("lora-affinity could not install its routing strategy")
+            await asyncio.sleep(self.WATCH_INTERVAL_S)
+
+    async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):
+        try:
+            self.ensure_installed()
+        except Exception:
+            logger.exception("lora-affinity could not install its routing strategy")
+        return data
+
+    # --- in-flight accounting: one count per call id, ended exactly once ----------------------------
+    async def async_pre_call_deployment_hook(self, kwargs, call_type):
+        try:
+            call_id, strategy = kwargs.get("litellm_call_id"), self._strategy
+            if call_id and strategy is not None:
+                pod = strategy.pod_of(kwargs)
+                if pod is not None:
+                    strategy.fleet.note_dispatch(pod, None, time.time(), call_id)
+        except Exception:
+            logger.exception("lora-affinity could not count a request in flight")
+        return None
+
+    async def async_post_call_success_deployment_hook(self, request_data, response, call_type):
+        if not request_data.get("stream"):  # a stream has only started here; its iterator ends it
+            self._end_call(request_data, "success")
+        return None
+
+    async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
+        self._end_call(kwargs, "success log")
+
+    async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
+        self._end_call(kwargs, "failure log")
+
+    async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
+                                           traceback_str=None):
+        self._end_call(request_data, "failure")
+        return None
+
+    async def async_post_call_streaming_iterator_hook(self, user_api_key_dict, response, request_data):
+        try:
+            async for chunk in response:
+                yield chunk
+        finally:  # end of stream, upstream error or the client leaving (CancelledError/GeneratorExit)
+            self._end_call(request_data, "stream end")
+
+    def _end_call(self, data: Mapping[str, Any] | None, via: str) -> None:
+        try:
+            call_id = data.get("litellm_call_id") if data else None
+            if call_id and self._fleet is not None:
+                ended = self._fleet.end(call_id)
+                if ended is not None and logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("call %s on %s ended (%s)", call_id, ended.pod, via)
+        except Exception:
+            logger.exception("lora-affinity could not end a request in flight")
+
+
+proxy_plugin = ProxyPlugin()
