@@ -91,3 +91,87 @@ def test_output_lengths_match_the_model():
     assert max(lengths) == 750 and min(lengths) >= 1
     # E[min(750, 1 + Exp(580))] = 1 + 580 (1 - exp(-749/580)) = 421.5; completed requests average ~400
     assert 405 < sum(lengths) / len(lengths) < 440
+
+
+# --- prefix caching ----------------------------------------------------------------------------
+
+from lora_affinity_plugin.sim.kv_cache import BlockPool, block_hashes, count_tokens  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 70  # ~3,150 bytes: ~1,050 tokens
+
+
+def long_seq(name, adapter, text=PROMPT, salt=None, target=2, blocks=16):
+    return Sequence(name, adapter, count_tokens(text), target, 0.0, block_hashes=block_hashes(text, adapter, salt, blocks))
+
+
+def run_until_idle(e, now=0.0):
+    times = []
+    while not e.idle:
+        times.append(e.plan_step())
+        now += 1
+        e.finish_step(now)
+    return times
+
+
+def test_a_cached_prefix_skips_its_prefill_and_is_counted():
+    e = engine()
+    e.add(long_seq("1", None))
+    cold = run_until_idle(e)[0]
+    e.add(long_seq("2", None))
+    warm = run_until_idle(e)[0]
+    tokens = count_tokens(PROMPT)
+    assert cold == pytest.approx((50 + 0.18 * tokens) * 1.17, rel=0.01)  # ~270 ms for ~1,000 tokens
+    assert warm < 0.3 * cold  # only the tokens after the cached blocks are computed
+    assert e.prefix_queries_total == 2 * tokens
+    assert e.prefix_hits_total == (tokens // 16) * 16  # whole blocks only
+
+
+def test_the_same_text_under_another_adapter_or_salt_misses():
+    e = engine()
+    e.add(long_seq("1", "a1"))
+    run_until_idle(e)
+    for s in (long_seq("2", "a2"), long_seq("3", "a1", salt="tenant"), long_seq("4", None)):
+        e.add(s)
+        run_until_idle(e)
+    assert e.prefix_hits_total == 0
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block():
+    text = "z" * (16 * 3 * 10)  # exactly 10 blocks of the simulator's tokens
+    e = engine()
+    e.add(long_seq("1", "a1", text=text))
+    run_until_idle(e)
+    e.add(long_seq("2", "a1", text=text))
+    run_until_idle(e)
+    assert e.prefix_hits_total == 9 * 16
+
+
+def test_running_requests_share_cached_blocks():
+    e = engine(kv_blocks=200)
+    e.add(long_seq("1", "a1", target=50))
+    e.plan_step()
+    e.finish_step(1.0)
+    used_by_one = 200 - e.free_blocks
+    e.add(long_seq("2", "a1", target=50))
+    e.plan_step()
+    e.finish_step(2.0)
+    assert len(e.running) == 2
+    assert 200 - e.free_blocks < 1.2 * used_by_one  # the second one adds a block or two, not a copy
+
+
+def test_freed_blocks_are_reused_least_recently_freed_first():
+    pool = BlockPool(10)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    pool.release(pool.take(a, 0, 4), 4)  # a freed first: evicted first
+    pool.release(pool.take(b, 0, 4), 4)
+    assert pool.cached_prefix(a) == 4 and pool.cached_prefix(b) == 4
+    pool.take([9, 10, 11, 12], 0, 4)  # 2 never-used blocks, then a's tail blocks first
+    assert pool.cached_prefix(a) == 2 and pool.cached_prefix(b) == 4
+
+
+def test_prefix_caching_off():
+    e = ReplicaEngine(EngineConfig(prefix_caching=False), random.Random(0))
+    for name in ("1", "2"):
+        e.add(long_seq(name, None))
+        run_until_idle(e)
+    assert e.prefix_hits_total == 0 and e.prefix_queries_total == 2 * count_tokens(PROMPT)

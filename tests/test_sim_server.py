@@ -109,3 +109,38 @@ def test_the_current_vllm_lora_form_lists_every_active_adapter_in_both_lists():
     assert current.running_lora_adapters == legacy.running_lora_adapters | legacy.waiting_lora_adapters
     assert legacy.running_lora_adapters != legacy.waiting_lora_adapters
     assert current.max_lora == legacy.max_lora == 2
+
+
+def prefix_counters(url):
+    page = httpx.get(url + "/metrics").text
+    get = lambda name: float(re.search(rf"^vllm:{name}\{{[^}}]*\}} (\S+)", page, re.M).group(1))  # noqa: E731
+    return get("prefix_cache_queries_total"), get("prefix_cache_hits_total"), page
+
+
+def test_prefix_cache_counters_move_when_a_long_prompt_repeats(sim):
+    other = sim.rsplit(":", 1)[0] + ":" + str(int(sim.rsplit(":", 1)[1]) + 1)
+    queries0, hits0, page = prefix_counters(other)
+    assert 'enable_prefix_caching="True"' in page
+    system = "You answer questions about films. " * 60
+    body = {"model": "sql-lora", "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "first"}]}
+    assert httpx.post(other + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    queries1, hits1, _ = prefix_counters(other)
+    body["messages"][1]["content"] = "second question"
+    assert httpx.post(other + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    queries2, hits2, _ = prefix_counters(other)
+    assert queries1 > queries0 and hits1 == hits0  # the first time: nothing cached
+    assert hits2 - hits1 >= 0.9 * len(system) / 3  # the system prompt's blocks hit (3 bytes a token)
+    body["cache_salt"] = "tenant-b"  # another salt: no hit
+    assert httpx.post(other + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert prefix_counters(other)[1] == hits2
+
+
+def test_a_prompt_longer_than_the_context_is_refused_at_once(sim):
+    started = time.monotonic()
+    r = httpx.post(sim + "/v1/completions", json={"model": "sql-lora", "prompt": "word " * 20_000, "max_tokens": 10},
+                   timeout=30)
+    assert r.status_code == 400 and "maximum context length is 4096 tokens" in r.json()["error"]["message"]
+    assert time.monotonic() - started < 2
+    r = httpx.post(sim + "/v1/completions", json={"model": "sql-lora", "prompt": "hi", "cache_salt": 5}, timeout=30)
+    assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"]

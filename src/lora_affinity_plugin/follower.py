@@ -109,7 +109,8 @@ class Follower:
         peers = self.peers if sharing else []
         reads = [settings_key(prefix), *(pod_key(self.base, p) for p in pods),
                  *(inflight_key(prefix, peer) for peer in peers), served_models_key(prefix)]
-        table = encode_share(self.fleet.inflight.counts(), self.fleet.recent_dispatches()) if sharing else ""
+        table = encode_share(self.fleet.inflight.counts(), self.fleet.recent_dispatches(),
+                             self.fleet.prefixes.sizes()) if sharing else ""
         ttl_ms = max(1_000, 5 * self.settings.scrape_interval_ms)
         share_prefixes = self.settings.share_prefixes and self.settings.prefix_affinity
         outbox = self.fleet.prefixes.take_outbox(SHARE_MAX_BLOCKS)

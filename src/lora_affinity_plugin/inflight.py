@@ -66,13 +66,15 @@ class InFlight:
         return len(self._calls)
 
 
-def encode_share(counts: Mapping[str, int], recent: Mapping[str, Sequence[tuple[float, str | None]]]) -> str:
-    """What peers need: exact counts, and each pod's not-yet-scraped dispatches (newest kept)."""
+def encode_share(counts: Mapping[str, int], recent: Mapping[str, Sequence[tuple[float, str | None]]],
+                 index_sizes: Mapping[str, int] | None = None) -> str:
+    """What peers need: exact counts, and each pod's not-yet-scraped dispatches (newest kept); and for
+    `status`, how many prefix blocks this process's index holds per pod."""
     pods: dict[str, Any] = {}
     for pod in set(counts) | set(recent):
         entries = list(recent.get(pod, ()))[-_RECENT_PER_POD:]
         pods[pod] = {"n": counts.get(pod, 0), "recent": [[round(at, 4), adapter] for at, adapter in entries]}
-    return json.dumps({"pods": pods}, separators=(",", ":"))
+    return json.dumps({"pods": pods, "index": dict(index_sizes or {})}, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,19 @@ return {redis.call('ZRANGE', KEYS[1], 0, -1), values, stream}
 
 def read_shared(client: Any, prefix: str) -> tuple[int, dict[str, int]]:
     """(processes sharing, in-flight requests per pod) as peers see them; a sync client (ops, tests)."""
+    processes, counts, _ = read_shared_tables(client, prefix)
+    return processes, counts
+
+
+def read_shared_tables(client: Any, prefix: str) -> tuple[int, dict[str, int], dict[str, int]]:
+    """As `read_shared`, plus the largest prefix index any process holds per pod."""
     members = client.zrange(members_key(prefix), 0, -1)
     raws = client.mget([inflight_key(prefix, m.decode()) for m in members]) if members else []
-    return sum(raw is not None for raw in raws), decode_shares(raws).counts
+    sizes: dict[str, int] = {}
+    for raw in raws:
+        try:
+            for pod, size in (json.loads(raw).get("index") or {}).items() if raw else ():
+                sizes[pod] = max(sizes.get(pod, 0), int(size))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return sum(raw is not None for raw in raws), decode_shares(raws).counts, sizes

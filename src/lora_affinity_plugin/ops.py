@@ -14,16 +14,18 @@ import random
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import redis
 
 from . import live_settings
 from .connection import sync_client
 from .fleet import FleetView
-from .inflight import read_shared
+from .inflight import prefix_stream_key, read_shared_tables
 from .lease import lease_key
 from .pods import discover_pods
-from .scheduling import RouteRequest, SchedulingError, choose_pod
+from .prefix_index import decode_entries
+from .scheduling import SchedulingError, choose_pod
 from .settings import Settings, SettingsError, load_config, settings_from_config
 from .store import PodRecord, decode_records, pod_key
 
@@ -58,6 +60,9 @@ def add_ops_arguments(sub) -> None:
     explain.add_argument("--model", required=True, help="the requested model (adapter) name")
     explain.add_argument("--criticality", choices=["critical", "sheddable"], default="critical")
     explain.add_argument("--seed", type=int, default=0)
+    explain.add_argument("--prompt", help="a completion prompt: show each pod's matched prefix for it")
+    explain.add_argument("--messages", metavar="FILE", help="a JSON file of chat messages (instead of --prompt)")
+    explain.add_argument("--cache-salt", help="the request's cache_salt")
     explain.set_defaults(func=run_explain)
 
 
@@ -159,12 +164,12 @@ def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: f
 def _status_text(rows: list[dict], version: int, settings: Settings, leader: str | None, proxies: int) -> str:
     lines = [f"settings version {version}; Redis {settings.redacted_redis_url()}; scraper leader: {leader or 'none'}; "
              f"proxies sharing in-flight counts: {proxies}",
-             f"{'pod':<28}{'engine':<8}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'sent':>5}{'KV %':>6}{'max':>5}  "
-             "running / waiting adapters"]
+             f"{'pod':<28}{'engine':<8}{'state':<7}{'age s':>7}{'wait':>6}{'run':>5}{'sent':>5}{'prefix':>7}{'KV %':>6}"
+             f"{'max':>5}  running / waiting adapters"]
     for r in rows:
         if "waiting" in r:
             lines.append(f"{r['pod']:<28}{r['engine']:<8}{r['state']:<7}{r['age_s']:>7.2f}{r['waiting']:>6}{r['running']:>5}"
-                         f"{r['inflight']:>5}"
+                         f"{r['inflight']:>5}{r.get('prefix_blocks', 0):>7}"
                          f"{r['kv_pct']:>6}{str(r['max_lora']):>5}  {','.join(r['running_adapters']) or '-'} / "
                          f"{','.join(r['waiting_adapters']) or '-'}")
         else:
@@ -179,12 +184,13 @@ def run_status(args: argparse.Namespace) -> int:
         try:
             copy = live_settings.read(client, settings.key_prefix)
             rows = status_rows(settings, _records(client, settings, pods), time.time())
-            proxies, inflight = read_shared(client, settings.key_prefix)
+            proxies, inflight, index_sizes = read_shared_tables(client, settings.key_prefix)
         except redis.RedisError as exc:
             print(f"error: Redis at {settings.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
             return 4
         for row in rows:
             row["inflight"] = inflight.get(row["pod"], 0)
+            row["prefix_blocks"] = index_sizes.get(row["pod"], 0)
         version = copy.version if copy else 0
         holder = client.get(lease_key(settings.key_prefix))
         leader = holder.decode() if holder else None
@@ -206,9 +212,14 @@ def run_explain(args: argparse.Namespace) -> int:
     fleet = FleetView(settings)
     fleet.update(records)
     candidates = fleet.candidates(list(records), time.time())
-    request = RouteRequest(adapter=args.model, sheddable=args.criticality == "sheddable")
+    messages = _explained_messages(args)
+    _replay_shared_prefixes(client, fleet, settings)
+    request = fleet.route_request(args.model, args.model, messages, {"cache_salt": args.cache_salt},
+                                  [c.key for c in candidates], settings, args.criticality == "sheddable")
     data: dict = {"model": args.model, "criticality": args.criticality, "settings_version": copy.version if copy else 0,
-                  "rule_set": settings.rule_set, "candidates": [c.key for c in candidates]}
+                  "rule_set": settings.rule_set, "candidates": [c.key for c in candidates],
+                  "prefix_blocks": request.prefix_blocks,
+                  "prefix_matches": {c.key: request.prefix_matches.get(c.key, 0) for c in candidates}}
     try:
         decision = choose_pod(candidates, request, settings, random.Random(args.seed), explain=True)
     except SchedulingError as exc:
@@ -222,10 +233,28 @@ def run_explain(args: argparse.Namespace) -> int:
     data.update({"pick": decision.pod, "branch": decision.branch, "rules": steps})
     view = {c.key: c for c in candidates}
     lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
-             "  candidates (waiting, running, KV, active adapters):"]
-    lines += [f"    {c.key}: {c.waiting}, {c.running}, {c.kv_cache_usage:.2f}, {','.join(sorted(c.active_adapters)) or '-'}"
+             f"  prompt prefix: {request.prefix_blocks} blocks of {settings.prefix_block_chars} characters"
+             + ("" if request.prefix_blocks else " (none: short prompt, or no --prompt/--messages)"),
+             "  candidates (waiting, running, KV, active adapters, matched prefix blocks):"]
+    lines += [f"    {c.key}: {c.waiting}, {c.running}, {c.kv_cache_usage:.2f}, {','.join(sorted(c.active_adapters)) or '-'}, "
+              f"{request.prefix_matches.get(c.key, 0)}/{request.prefix_blocks}"
               for c in view.values()]
     lines += [f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}" for s in steps]
     lines.append(f"  pick: {decision.pod} (branch {decision.branch})")
     _print(args, data, "\n".join(lines))
     return 0
+
+
+def _explained_messages(args: argparse.Namespace) -> list | None:
+    if args.messages:
+        return json.loads(Path(args.messages).read_text())
+    if args.prompt:
+        return [{"role": "user", "content": args.prompt}]  # how LiteLLM hands a completion's prompt to routing
+    return None
+
+
+def _replay_shared_prefixes(client: redis.Redis, fleet: FleetView, settings: Settings) -> None:
+    """The proxies' recent index entries, as shared through Redis: what a proxy would match against."""
+    for _, fields in client.xrange(prefix_stream_key(settings.key_prefix), "-", "+"):
+        for pod, at, hashes in decode_entries(fields.get(b"e", b"")):
+            fleet.prefixes.add(pod, hashes, at, share=False)

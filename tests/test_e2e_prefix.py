@@ -1,0 +1,137 @@
+"""Routing for KV reuse end to end: real redis-server, simulated replicas with prefix caching, the
+scraper and two `litellm --config` proxies sharing one index through Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+from procs import (
+    MASTER_KEY,
+    Proc,
+    free_port,
+    free_port_range,
+    lora_affinity,
+    proxy_config,
+    redis_server,
+    wait_port,
+)
+
+from lora_affinity_plugin.processes import start_litellm_proxy, wait_proxy
+
+HEADERS = {"Authorization": f"Bearer {MASTER_KEY}"}
+
+
+def system_prompt(topic: str) -> str:
+    return f"You are the {topic} assistant. " + " ".join(f"{topic} rule {i}: answer briefly." for i in range(150))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prefix")
+    base = free_port_range(3)
+    ports = iter(p for p in iter(free_port, None) if not base <= p < base + 3)
+    redis_port, port_a, port_b = next(ports), next(ports), next(ports)
+    procs: list[Proc] = []
+    store = redis_server(redis_port, tmp)
+    try:
+        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "3",
+                                  "--base-port", str(base), "--speed", "20",
+                                  "--warm-adapters", "sql-lora,tweet-summary"], tmp))
+        pods = [base, base + 1, base + 2]
+        for p in pods:
+            wait_port(p)
+        path = tmp / "config.yaml"
+        path.write_text(yaml.safe_dump(proxy_config(pods, redis_port)))
+        procs.append(lora_affinity(["scrape", "--config", str(path)], tmp, "scraper"))
+        proxies = [start_litellm_proxy(path, port, tmp, f"proxy-{name}") for name, port in (("a", port_a), ("b", port_b))]
+        procs += proxies
+        for proc, port in zip(proxies, (port_a, port_b)):
+            wait_proxy(proc, port)
+        time.sleep(0.5)
+        yield {"a": f"http://127.0.0.1:{port_a}", "b": f"http://127.0.0.1:{port_b}",
+               "pods": [f"http://127.0.0.1:{p}" for p in pods], "config": path}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        store.stop()
+
+
+def chat(client: httpx.Client, proxy: str, model: str, system: str, question: str, max_tokens: int = 4) -> str:
+    """One chat completion through a proxy; returns the pod it was served by."""
+    body = {"model": model, "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    response = client.post(proxy + "/v1/chat/completions", headers=HEADERS, json=body)
+    assert response.status_code == 200, response.text
+    return response.headers["x-litellm-model-api-base"].rstrip("/").removesuffix("/v1")
+
+
+def hits(pod: str) -> float:
+    page = httpx.get(pod + "/metrics", timeout=5).text
+    return float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", page, re.M).group(1))
+
+
+def test_requests_sharing_a_long_system_prompt_land_on_one_pod_and_hit(stack):
+    system = system_prompt("billing")
+    before = {pod: hits(pod) for pod in stack["pods"]}
+    with httpx.Client(timeout=30) as client:
+        served = [chat(client, stack["a"], "sql-lora", system, f"question {i}?") for i in range(6)]
+    assert len(set(served)) == 1, served
+    gained = hits(served[0]) - before[served[0]]
+    assert gained >= 5 * 0.9 * len(system) / 3  # five repeats of the system prompt hit (3 bytes a simulated token)
+
+
+def test_a_second_proxy_follows_the_first_ones_entries(stack):
+    system = system_prompt("travel")
+    with httpx.Client(timeout=30) as client:
+        first = chat(client, stack["a"], "meta-llama/Llama-2-7b-hf", system, "where to?")
+        time.sleep(0.6)  # a few refreshes of both proxies (100 ms)
+        followers = [chat(client, stack["b"], "meta-llama/Llama-2-7b-hf", system, f"and then {i}?") for i in range(4)]
+    assert set(followers) == {first}
+
+
+def test_a_far_busier_pod_holding_the_prefix_is_passed_over_and_explain_shows_the_match(stack):
+    system = system_prompt("weather")
+    with httpx.Client(timeout=30) as client:
+        holder = chat(client, stack["a"], "tweet-summary", system, "rain?")
+        # Load the holder directly (not through the proxies): 40 long generations.
+        stop = threading.Event()
+
+        def hog() -> None:
+            with httpx.Client(timeout=60) as direct:
+                try:
+                    direct.post(holder + "/v1/completions", json={"model": "tweet-summary", "prompt": "x",
+                                                                   "max_tokens": 3000})
+                except httpx.HTTPError:
+                    pass
+
+        hogs = [threading.Thread(target=hog, daemon=True) for _ in range(40)]
+        for t in hogs:
+            t.start()
+        time.sleep(0.8)  # the scraper sees the holder's new load; the proxies read it
+        out = subprocess.run([sys.executable, "-m", "lora_affinity_plugin.cli", "explain", "--config",
+                              str(stack["config"]), "--model", "tweet-summary", "--messages", "/dev/stdin", "--json"],
+                             input=json.dumps([{"role": "system", "content": system}, {"role": "user", "content": "snow?"}]),
+                             capture_output=True, text=True, check=True).stdout
+        explained = json.loads(out)
+        assert explained["prefix_matches"][holder] >= 10  # the holder still holds the system prompt
+        assert explained["pick"] != holder
+        elsewhere = chat(client, stack["a"], "tweet-summary", system, "snow?")
+        stop.set()
+    assert elsewhere != holder
+
+
+def test_status_shows_each_pods_index_size(stack):
+    out = subprocess.run([sys.executable, "-m", "lora_affinity_plugin.cli", "status", "--config", str(stack["config"]),
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)["pods"]
+    assert sum(r["prefix_blocks"] for r in rows) >= 20
+    assert all(r["prefix_blocks"] >= 0 for r in rows)

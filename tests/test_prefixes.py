@@ -1,0 +1,214 @@
+"""Prompt prefixes: hashing, the per-pod index, and the rules that use them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings as hyp_settings, strategies as st
+
+from lora_affinity_plugin.fleet import FleetView
+from lora_affinity_plugin.prefix_index import PrefixIndex, decode_entries, encode_entries
+from lora_affinity_plugin.prefixes import prefix_hashes, prompt_prefix, render_prompt, request_salt
+from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import PodRecord
+
+SYSTEM = "You are a careful assistant. " * 40  # ~1,100 characters
+S = build_settings({}, environ={})
+
+
+def chat(*contents: str) -> list[dict]:
+    return [{"role": "system", "content": contents[0]}] + [{"role": "user", "content": c} for c in contents[1:]]
+
+
+def chain(messages, scope="adapter-a", salt=None, settings=S):
+    return prompt_prefix(messages, scope, {"cache_salt": salt} if salt else {}, settings)
+
+
+# --- the chain ---------------------------------------------------------------------------------
+
+
+def test_same_text_under_another_adapter_or_salt_does_not_match():
+    base = chain(chat(SYSTEM, "q1"))
+    system_blocks = len(SYSTEM) // S.prefix_block_chars
+    assert base[:system_blocks] == chain(chat(SYSTEM, "q2"))[:system_blocks]  # same adapter: shared
+    other_adapter = chain(chat(SYSTEM, "q1"), scope="adapter-b")
+    salted = chain(chat(SYSTEM, "q1"), salt="tenant-7")
+    assert not set(base) & set(other_adapter)
+    assert not set(base) & set(salted)
+    assert chain(chat(SYSTEM, "q1"), salt="tenant-7") == salted  # stable across calls and processes
+
+
+def test_a_longer_shared_prefix_matches_longer():
+    one, two = "question one " * 50, "a different question entirely " * 50
+    short = chain(chat(SYSTEM[:600], one))
+    long_ = chain(chat(SYSTEM, one))
+    other = chain(chat(SYSTEM, two))
+    shared_long = sum(1 for a, b in zip(long_, other) if a == b)
+    shared_short = sum(1 for a, b in zip(short, other) if a == b)
+    assert shared_long > shared_short >= 1
+    # A chain: once it differs, it never matches again.
+    first_diff = next(i for i, (a, b) in enumerate(zip(long_, other)) if a != b)
+    assert all(a != b for a, b in zip(long_[first_diff:], other[first_diff:]))
+
+
+def test_short_prompts_have_no_chain_and_only_full_blocks_count():
+    assert chain(chat("hi", "Is the Necronomicon in the movie: Army of Darkness?")) == ()
+    text = "x" * (S.prefix_block_chars * 3 + 10)
+    assert len(prefix_hashes(text, "m", None, S.prefix_block_chars)) == 3
+
+
+def test_hashing_reads_at_most_prefix_max_chars():
+    settings = build_settings({"prefix_max_chars": 4096}, environ={})
+    huge = chat("y" * 10_000_000)
+    hashes = chain(huge, settings=settings)
+    assert len(hashes) == 4096 // settings.prefix_block_chars
+    assert render_prompt(huge, 4096) == render_prompt(chat("y" * 5000), 4096)
+
+
+def test_rendering_covers_multimodal_parts_and_never_raises():
+    with_image = [{"role": "user", "content": [{"type": "text", "text": "describe"},
+                                               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    other_image = [{"role": "user", "content": [{"type": "text", "text": "describe"},
+                                                {"type": "image_url", "image_url": {"url": "data:image/png;base64,BBBB"}}]}]
+    assert render_prompt(with_image, 1000) != render_prompt(other_image, 1000)
+    for odd in (None, 5, "text", [None, 3, {"role": 7, "content": {"x": 1}}], [{"content": [1, None, {"type": None}]}],
+                [{"role": "user", "content": "\ud800 lone surrogate \U0001F600"}]):
+        render_prompt(odd, 1000)
+        prompt_prefix(odd, "m", {"cache_salt": 12}, S)
+
+
+def test_a_salt_that_is_not_a_string_is_ignored():
+    assert request_salt({"cache_salt": 42}) is None
+    assert request_salt({"extra_body": {"cache_salt": "s"}}) == "s"
+    assert request_salt(None) is None
+
+
+@hyp_settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=300),
+                    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+                    max_leaves=20),
+       st.one_of(st.none(), st.text(max_size=20), st.integers()))
+def test_any_body_renders_and_hashes_without_raising(messages, salt):
+    hashes = prompt_prefix(messages, "m", {"cache_salt": salt}, build_settings({"prefix_min_blocks": 1,
+                                                                                  "prefix_block_chars": 16}, environ={}))
+    assert all(isinstance(h, int) for h in hashes)
+
+
+# --- the index ---------------------------------------------------------------------------------
+
+
+def test_index_matches_the_longest_held_prefix_per_pod():
+    index = PrefixIndex(ttl_s=60)
+    hashes = chain(chat(SYSTEM, "q"))
+    index.add("a", hashes, 1.0)
+    index.add("b", hashes[:2], 1.0)
+    assert index.matches(hashes, ["a", "b", "c"]) == {"a": len(hashes), "b": 2}
+    assert index.matches(hashes, ["b", "c"]) == {"b": 2}
+    assert index.matches((12345,) + hashes[1:], ["a", "b"]) == {}
+
+
+def test_index_is_bounded_per_pod_least_recently_used_out():
+    index = PrefixIndex(ttl_s=60)
+    index.set_capacity("a", 10)
+    old, new = list(range(1, 9)), list(range(100, 106))
+    index.add("a", old, 1.0)
+    index.add("a", old[:2], 2.0)  # touched: recently used
+    index.add("a", new, 3.0)
+    assert index.sizes() == {"a": 10}
+    assert index.matches(old[:2], ["a"]) == {"a": 2}
+    assert index.matches(old[2:4], ["a"]) == {}  # the least recently used went first
+    assert len(index) == 10
+
+
+def test_index_entries_expire():
+    index = PrefixIndex(ttl_s=10)
+    index.add("a", [1, 2, 3], 100.0)
+    index.add("a", [4], 105.0)
+    assert index.expire(111.0) == 3
+    assert index.sizes() == {"a": 1} and len(index) == 1
+
+
+def test_outbox_is_bounded_and_round_trips_through_the_wire_format():
+    index = PrefixIndex(ttl_s=60)
+    index.add("a", list(range(50)), 1.0)
+    index.add("b", list(range(1000, 1010)), 2.0)
+    entries = index.take_outbox(limit=20)
+    assert sum(len(h) for _, _, h in entries) == 20
+    assert {pod for pod, _, _ in entries} == {"a", "b"}  # the newest blocks are kept
+    assert decode_entries(encode_entries(entries)) == [(p, round(t, 3), h) for p, t, h in entries]
+    assert index.take_outbox(limit=20) == []
+    assert decode_entries(b"not json") == [] and decode_entries(b'[["a"]]') == []
+
+
+def test_fleet_sizes_each_pods_index_from_its_cache():
+    fleet = FleetView(S)
+    metrics = PodMetrics(num_gpu_blocks=700, block_size=16)
+    fleet.update({"a": PodRecord("a", 1.0, metrics)})
+    assert fleet.prefixes.capacity("a") == int(700 * 16 * S.prefix_chars_per_token // S.prefix_block_chars)
+
+
+# --- the rules -----------------------------------------------------------------------------------
+
+
+def pod(key, waiting=0, running=0, adapters=(), kv=0.1):
+    return Candidate(key, waiting, running, kv, frozenset(adapters), max_lora=4)
+
+
+def request(matches, blocks=8, adapter=None):
+    return RouteRequest(adapter, prefix_blocks=blocks, prefix_matches=matches, placement_key=7)
+
+
+def test_the_longest_match_wins_among_pods_not_far_busier():
+    pods = [pod("a", waiting=2), pod("b", waiting=0), pod("c", waiting=1)]
+    decision = choose_pod(pods, request({"a": 8, "c": 3}), S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("a", "prefix")
+
+
+def test_a_far_busier_pod_holding_the_prefix_is_passed_over():
+    pods = [pod("a", waiting=40, running=60), pod("b", waiting=0, running=10), pod("c", waiting=1, running=10)]
+    decision = choose_pod(pods, request({"a": 8, "c": 3}), S, random.Random(1))
+    assert decision.pod == "c"  # the shorter match on a roomy pod beats the longer one on a far busier pod
+    decision = choose_pod(pods, request({"a": 8}), S, random.Random(1))
+    assert decision.pod in ("b", "c") and decision.branch == "new_prefix"
+
+
+def test_a_match_shorter_than_prefix_min_blocks_does_not_count():
+    pods = [pod("a", waiting=3), pod("b", waiting=0)]
+    decision = choose_pod(pods, request({"a": 1}), S, random.Random(1))
+    assert decision.branch == "new_prefix"
+
+
+def test_new_prefixes_go_where_the_cache_holds_least_and_gateways_agree():
+    pods = [pod("a"), pod("b"), pod("c")]
+    sized = RouteRequest(None, prefix_blocks=8, placement_key=99, prefix_sizes={"a": 100, "b": 5, "c": 90})
+    assert choose_pod(pods, sized, S, random.Random(1)).pod == "b"
+    picks = {choose_pod(pods, RouteRequest(None, prefix_blocks=8, placement_key=k), S, random.Random(seed)).pod
+             for seed in range(20) for k in (123,)}
+    assert len(picks) == 1  # the same key: every gateway (any RNG) picks the same pod
+    spread = {choose_pod(pods, RouteRequest(None, prefix_blocks=8, placement_key=k), S, random.Random(0)).pod
+              for k in range(60)}
+    assert spread == {"a", "b", "c"}  # different keys spread over the pods
+
+
+def test_prefix_affinity_off_ignores_matches():
+    off = build_settings({"prefix_affinity": False}, environ={})
+    pods = [pod("a", waiting=3), pod("b", waiting=0)]
+    assert choose_pod(pods, request({"a": 8}), off, random.Random(1)).branch == "base_model"
+
+
+@pytest.mark.parametrize("rule_set", ["llmd-prefix", "sglang-cache-aware"])
+def test_reference_policies_follow_the_prefix(rule_set):
+    settings = build_settings({"rule_set": rule_set}, environ={})
+    pods = [pod("a", waiting=1), pod("b", waiting=0), pod("c", waiting=0)]
+    assert choose_pod(pods, request({"a": 8}), settings, random.Random(1)).pod == "a"
+
+
+def test_sglang_reference_balances_when_load_is_far_apart_and_fills_the_smallest_tree():
+    settings = build_settings({"rule_set": "sglang-cache-aware"}, environ={})
+    pods = [pod("a", waiting=100, running=100), pod("b", waiting=0, running=10)]
+    assert choose_pod(pods, request({"a": 8}), settings, random.Random(1)).branch == "sglang_balance"
+    pods = [pod("a"), pod("b")]
+    fresh = RouteRequest(None, prefix_blocks=8, prefix_sizes={"a": 10, "b": 3})
+    assert choose_pod(pods, fresh, settings, random.Random(1)).pod == "b"
