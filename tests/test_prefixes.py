@@ -117,8 +117,8 @@ def test_index_is_bounded_per_pod_least_recently_used_out():
     index.add("a", old[:2], 2.0)  # touched: recently used
     index.add("a", new, 3.0)
     assert index.sizes() == {"a": 10}
-    assert index.matches(old[:2], ["a"]) == {"a": 2}
-    assert index.matches(old[2:4], ["a"]) == {}  # the least recently used went first
+    assert index.matches(new, ["a"]) == {"a": 6}
+    assert index.matches(old, ["a"]) == {"a": 4}  # least recently used out first, a chain's tail before its head
     assert len(index) == 10
 
 
@@ -212,3 +212,17 @@ def test_sglang_reference_balances_when_load_is_far_apart_and_fills_the_smallest
     pods = [pod("a"), pod("b")]
     fresh = RouteRequest(None, prefix_blocks=8, prefix_sizes={"a": 10, "b": 3})
     assert choose_pod(pods, fresh, settings, random.Random(1)).pod == "b"
+
+
+@hyp_settings(max_examples=300, deadline=None)
+@given(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", 3]),
+                                       "content": st.text(max_size=700) | st.none()}), min_size=1, max_size=4),
+       st.integers(min_value=16, max_value=64), st.integers(min_value=0, max_value=2000))
+def test_the_cached_head_gives_the_same_chain_as_hashing_everything(messages, block, limit):
+    from lora_affinity_plugin.prefixes import prefix_hashes as plain
+
+    settings = build_settings({"prefix_block_chars": block, "prefix_max_chars": limit, "prefix_min_blocks": 1},
+                              environ={})
+    for _ in range(2):  # a miss, then a hit of the head cache
+        got = prompt_prefix(messages, "m", {"cache_salt": "s"}, settings)
+    assert got == plain(render_prompt(messages, limit), "m", "s", block)

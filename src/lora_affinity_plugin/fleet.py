@@ -99,7 +99,7 @@ class FleetView:
         return RouteRequest(
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
             prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
-            prefix_sizes=self.prefixes.sizes())
+            prefix_sizes=self.prefixes.size_view())
 
     def update_peers(self, share: PeerShare) -> None:
         """Replace what the peers sent; only their dispatches newer than a pod's scrape count."""

@@ -13,7 +13,7 @@ import base64
 import json
 import struct
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Collection, Iterator, Mapping, Sequence
 
 DEFAULT_CAPACITY = 4096
 """Blocks per pod when the pod does not report its cache size."""
@@ -27,36 +27,37 @@ class PrefixIndex:
         self._holders: dict[int, str | set[str]] = {}
         """Block -> the pod holding it, or a set when several do (one pod is the common case: no set)."""
         self._capacity: dict[str, int] = {}
-        self._outbox: dict[str, dict[int, float]] = {}
-        """Blocks this process placed since it last shared them (pod -> hash -> time)."""
+        self._outbox: list[tuple[float, str, Sequence[int]]] = []
+        """Chains this process placed since it last shared them (deduplicated when taken)."""
 
     # --- request side -------------------------------------------------------------------------
-    def matches(self, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
-        """Leading blocks of `hashes` each pod holds (pods holding none are absent)."""
+    def matches(self, hashes: Sequence[int], pods: Collection[str]) -> dict[str, int]:
+        """Leading blocks of `hashes` each pod holds (pods holding none are absent).
+
+        A pod is entered with a whole chain and loses its tail first (`add`), so what it holds of a
+        chain is a leading run: a binary search per pod holding the first block finds its length in
+        log2(blocks) lookups. (A hole left by another chain's eviction may make it a block off:
+        the index is a hint.)
+        """
         out: dict[str, int] = {}
         if not hashes:
             return out
         get = self._holders.get
-        holders = get(hashes[0])
-        if holders is None:
+        first = get(hashes[0])
+        if first is None:
             return out
-        alive = ({holders} if isinstance(holders, str) else holders).intersection(pods)
-        for depth in range(1, len(hashes)):
-            if not alive:
-                return out
-            holders = get(hashes[depth])
-            if holders is None:
-                keep: set[str] = set()
-            elif isinstance(holders, str):
-                keep = {holders} if holders in alive else set()
-            else:
-                keep = alive & holders
-            if len(keep) != len(alive):
-                for pod in alive - keep:
-                    out[pod] = depth
-            alive = keep
-        for pod in alive:
-            out[pod] = len(hashes)
+        for pod in ((first,) if isinstance(first, str) else first):
+            if pod not in pods:
+                continue
+            lo, hi = 1, len(hashes)  # pod holds hashes[:lo]; find the longest run up to hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                holders = get(hashes[mid - 1])
+                if holders is not None and (holders == pod if isinstance(holders, str) else pod in holders):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[pod] = lo
         return out
 
     def add(self, pod: str, hashes: Sequence[int], at: float, *, share: bool = True) -> None:
@@ -67,7 +68,7 @@ class PrefixIndex:
         if lru is None:
             lru = self._pods[pod] = OrderedDict()
         holders = self._holders
-        for h in hashes:
+        for h in reversed(hashes):  # the chain's head ends most recent: evicted last, as vLLM frees the tail first
             if h in lru:
                 lru.move_to_end(h)
             else:
@@ -84,9 +85,7 @@ class PrefixIndex:
         while len(lru) > capacity:
             self._drop(pod, lru.popitem(last=False)[0])
         if share:
-            outbox = self._outbox.setdefault(pod, {})
-            for h in hashes:
-                outbox[h] = at
+            self._outbox.append((at, pod, hashes))
 
     # --- background side ----------------------------------------------------------------------
     def set_capacity(self, pod: str, blocks: int) -> None:
@@ -108,21 +107,25 @@ class PrefixIndex:
 
     def take_outbox(self, limit: int) -> list[tuple[str, float, list[int]]]:
         """This process's new entries for its peers, newest `limit` blocks kept: (pod, time, hashes)."""
-        entries = [(at, pod, h) for pod, blocks in self._outbox.items() for h, at in blocks.items()]
-        self._outbox = {}
-        if len(entries) > limit:
-            entries.sort()
-            entries = entries[-limit:]
+        placed, self._outbox = self._outbox, []
+        latest: dict[tuple[str, int], float] = {}
+        for at, pod, hashes in placed:
+            for h in hashes:
+                latest[pod, h] = at
+        entries = sorted(latest.items(), key=lambda item: item[1])[-limit:]
         by_pod: dict[str, tuple[float, list[int]]] = {}
-        for at, pod, h in entries:
-            latest, hashes = by_pod.setdefault(pod, (at, []))
-            hashes.append(h)
-            if at > latest:
-                by_pod[pod] = (at, hashes)
+        for (pod, h), at in entries:
+            newest, kept = by_pod.get(pod, (at, []))
+            kept.append(h)
+            by_pod[pod] = (max(newest, at), kept)
         return [(pod, at, hashes) for pod, (at, hashes) in by_pod.items()]
 
     def sizes(self) -> dict[str, int]:
         return {pod: len(lru) for pod, lru in self._pods.items()}
+
+    def size_view(self) -> Mapping[str, int]:
+        """Blocks per pod, read when asked (no copy on the request path)."""
+        return _Sizes(self._pods)
 
     def capacity(self, pod: str) -> int:
         return self._capacity.get(pod, DEFAULT_CAPACITY)
@@ -141,6 +144,26 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._holders)
+
+
+class _Sizes(Mapping[str, int]):
+    __slots__ = ("_pods",)
+
+    def __init__(self, pods: dict[str, OrderedDict[int, float]]) -> None:
+        self._pods = pods
+
+    def __getitem__(self, pod: str) -> int:
+        return len(self._pods[pod])
+
+    def get(self, pod: str, default: int = 0) -> int:  # type: ignore[override]
+        lru = self._pods.get(pod)
+        return default if lru is None else len(lru)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pods)
+
+    def __len__(self) -> int:
+        return len(self._pods)
 
 
 SHARE_MAX_BLOCKS = 4096

@@ -15,6 +15,7 @@ costs at most one misplaced request, never a failed one.
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
 from typing import Any, Iterable
 
 _ROLE_END = "\x1f"
@@ -80,17 +81,46 @@ def _content_texts(content: Any, budget: int) -> Iterable[str]:
 
 def prefix_hashes(text: str, scope: str, salt: str | None, block_chars: int) -> tuple[int, ...]:
     """Chained hashes of the text's full blocks, seeded by `scope` (adapter or model) and salt."""
-    data = text.encode("utf-8", "surrogatepass")
+    return _chain(text.encode("utf-8", "surrogatepass"), _seed(scope, salt), block_chars)[0]
+
+
+def _seed(scope: str, salt: str | None) -> int:
+    return zlib.crc32(f"{scope}\x00{salt or ''}\x00".encode("utf-8", "surrogatepass"))
+
+
+def _chain(data: bytes, crc: int, block_chars: int) -> tuple[tuple[int, ...], int, bytes]:
+    """(hashes of the full blocks, the chain's state after them, the bytes of the partial block left)."""
     full = len(data) - len(data) % block_chars
-    if not full:
-        return ()
-    crc = zlib.crc32(f"{scope}\x00{salt or ''}\x00".encode("utf-8", "surrogatepass"))
     view = memoryview(data)
-    out = []
-    for start in range(0, full, block_chars):
-        crc = zlib.crc32(view[start:start + block_chars], crc)
-        out.append(crc)
-    return tuple(out)
+    crc32 = zlib.crc32
+    hashes = tuple([crc := crc32(view[start:start + block_chars], crc) for start in range(0, full, block_chars)])
+    return hashes, crc, data[full:]
+
+
+class _HeadCache:
+    """Chains of recent first messages (system prompts repeat; their questions do not).
+
+    Keyed by scope, salt, block size and the first message's length and CRC (one C call over it),
+    so a repeated 16 KB system prompt costs one pass instead of a call per block; bounded, LRU.
+    """
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple, tuple[tuple[int, ...], int, bytes]] = OrderedDict()
+
+    def chain(self, data: bytes, scope: str, salt: str | None, block_chars: int) -> tuple[tuple[int, ...], int, bytes]:
+        key = (scope, salt, block_chars, len(data), zlib.crc32(data))
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _chain(data, _seed(scope, salt), block_chars)
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return entry
+
+
+_HEADS = _HeadCache()
 
 
 def request_salt(request_kwargs: Any) -> str | None:
@@ -121,10 +151,27 @@ _MASK64 = (1 << 64) - 1
 
 def prompt_prefix(messages: Any, scope: str, request_kwargs: Any, settings: Any) -> tuple[int, ...]:
     """The request's chain under `settings` (empty when prefix affinity is off or the prompt is short)."""
-    if not settings.prefix_affinity or not settings.prefix_max_chars:
+    limit, block = settings.prefix_max_chars, settings.prefix_block_chars
+    if not settings.prefix_affinity or not limit:
         return ()
     if settings.rule_set == "sglang-cache-aware":
         scope = ""  # its radix tree is per worker, not per adapter
-    text = render_prompt(messages, settings.prefix_max_chars)
-    hashes = prefix_hashes(text, scope, request_salt(request_kwargs), settings.prefix_block_chars)
+    salt = request_salt(request_kwargs)
+    head = _first_message(messages)
+    if head is not None and 2 * block <= len(head) < limit:  # the common long prompt: a system prompt first
+        hashes, crc, rest = _HEADS.chain(head.encode("utf-8", "surrogatepass"), scope, salt, block)
+        tail = render_prompt(messages[1:], limit - len(head)).encode("utf-8", "surrogatepass")
+        hashes += _chain(rest + tail, crc, block)[0]
+    else:
+        hashes = prefix_hashes(render_prompt(messages, limit), scope, salt, block)
     return hashes if len(hashes) >= settings.prefix_min_blocks else ()
+
+
+def _first_message(messages: Any) -> str | None:
+    """The first message as `render_prompt` renders it, when its content is plain text."""
+    if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
+        return None
+    role, content = messages[0].get("role"), messages[0].get("content")
+    if not isinstance(content, str):
+        return None
+    return (role if isinstance(role, str) else "") + _ROLE_END + content + _MESSAGE_END

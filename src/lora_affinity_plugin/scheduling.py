@@ -240,13 +240,14 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     pods = run.apply("low_queue", pods, low_queue)
     long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
     if long_prompt:
-        warm = _warm(pods, request, settings) if request.prefix_matches else []
+        roomy = _not_far_busier(pods, settings)
+        warm = _warm(roomy, request, settings) if request.prefix_matches else []
         if warm:
             pods = run.apply("prefix_match", pods, warm)
             pods = run.apply("least_load", pods, _least_load(pods, run.width))
             pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
             return run.pick(pods, "prefix", agree=True)
-        return _new_prefix(pods, request, settings, run)
+        return _new_prefix(pods, roomy, request, run)
     if request.adapter is None:
         pods = run.apply("least_load", pods, _least_load(pods, run.width))
         pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
@@ -282,19 +283,20 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
 
 
 def _not_far_busier(pods: list[Candidate], settings: Settings) -> list[Candidate]:
-    """Pods whose queue is within `prefix_queue_margin` of the shortest, or within `prefix_queue_ratio` times it."""
-    least = min(p.load for p in pods)
+    """Pods whose load is within `prefix_queue_margin` of the least, or within `prefix_queue_ratio` times it."""
+    loads = [p.waiting + p.running for p in pods]
+    least = min(loads)
     edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
-    return [p for p in pods if p.load <= edge]
+    return [p for p, load in zip(pods, loads) if load <= edge]
 
 
-def _new_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
+def _new_prefix(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
     """A prompt no pod holds: it will stay where it lands, so place it for the cache, not the moment.
 
     Among pods not far busier than the least busy, and (for an adapter) that can run it without
     evicting another, the one whose cache is known to hold least; gateways agree by rendezvous.
     """
-    pods = run.apply("roomy", pods, _not_far_busier(pods, settings))
+    pods = run.apply("roomy", pods, roomy)
     pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
     adapter = request.adapter
     if adapter is not None:
@@ -307,24 +309,26 @@ def _new_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings
 
 def _fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float) -> list[Candidate]:
     """A new prefix goes where it evicts least: the pods whose caches are known to hold the least."""
-    sizes = request.prefix_sizes
-    edge = least_band_int([sizes.get(p.key, 0) for p in pods], width)
-    return [p for p in pods if sizes.get(p.key, 0) <= edge]
+    get = request.prefix_sizes.get
+    sizes = [get(p.key, 0) for p in pods]
+    edge = least_band_int(sizes, width)
+    return [p for p, size in zip(pods, sizes) if size <= edge]
 
 
-def _warm(pods: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
-    """Pods holding the longest prefix among those not far busier than the least busy one.
+def _warm(roomy: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
+    """Pods holding the longest prefix among those not far busier than the least busy one (`roomy`).
 
-    Reuse saves the matched tokens' prefill; a queue costs every request in it. So a match wins
-    only within `prefix_queue_margin` waiting requests of the least waiting pod, and a busier pod with
-    a longer match loses to a roomier one with a shorter match (or none: then the LoRA rules place it).
+    Reuse saves the matched tokens' prefill and keeps one copy of the prefix in the fleet; a queue
+    costs every request in it. So a match wins only on a pod not far busier than the least loaded
+    (`_not_far_busier`), and a busier pod with a longer match loses to a roomier one with a shorter
+    match (or none: then the prompt is placed as new).
     """
     matches = request.prefix_matches
-    roomy = _not_far_busier(pods, settings)
-    best = max(matches.get(p.key, 0) for p in roomy)
+    held = [(matches[p.key], p) for p in roomy if p.key in matches]
+    best = max((n for n, _ in held), default=0)
     if best < settings.prefix_min_blocks:
         return []
-    return [p for p in roomy if matches.get(p.key, 0) == best]
+    return [p for n, p in held if n == best]
 
 
 # --- the peers' prefix-aware policies, as references -----------------------------------------

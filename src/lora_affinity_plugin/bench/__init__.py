@@ -27,6 +27,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chart", default="bench-out/bench.png", help="where to write the PNG chart")
     parser.add_argument("--deployments", default="8,64,512", help="decisions scenario: deployment counts")
     parser.add_argument("--iterations", type=int, default=3000, help="decisions scenario: decisions per size")
+    parser.add_argument("--prompt-chars", type=int, default=0,
+                        help="decisions scenario: characters per chat prompt (0: the seed's short prompt)")
     parser.add_argument("--pods", type=int, default=256, help="scrape-scale: simulated replicas")
     parser.add_argument("--seconds", type=float, default=10.0, help="scrape-scale: how long each variant runs")
     parser.set_defaults(func=run_bench)
