@@ -175,3 +175,22 @@ def test_prefix_caching_off():
         e.add(long_seq(name, None))
         run_until_idle(e)
     assert e.prefix_hits_total == 0 and e.prefix_queries_total == 2 * count_tokens(PROMPT)
+
+
+def test_a_chats_next_turn_hits_the_blocks_of_the_reply_it_resends():
+    from lora_affinity_plugin.sim.kv_cache import prompt_text
+
+    e = engine()
+    history = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "first question"}]
+    text = prompt_text({"messages": history})
+    first = Sequence("1", "a1", count_tokens(text), 200, 0.0, block_hashes=block_hashes(text, "a1", None, 16),
+                     prompt_text=text)
+    e.add(first)
+    run_until_idle(e)
+    history += [{"role": "assistant", "content": "x " * first.generated}, {"role": "user", "content": "and then?"}]
+    text2 = prompt_text({"messages": history})
+    hits_before = e.prefix_hits_total
+    e.add(Sequence("2", "a1", count_tokens(text2), 2, 0.0, block_hashes=block_hashes(text2, "a1", None, 16)))
+    run_until_idle(e)
+    reply_tokens = len(("x " * first.generated).encode()) // 3
+    assert e.prefix_hits_total - hits_before >= (count_tokens(text) + reply_tokens - 2 * 16) // 16 * 16

@@ -287,7 +287,8 @@ def _not_far_busier(pods: list[Candidate], settings: Settings) -> list[Candidate
     loads = [p.waiting + p.running for p in pods]
     least = min(loads)
     edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
-    return [p for p, load in zip(pods, loads) if load <= edge]
+    shortest_queue = min(p.waiting for p in pods)
+    return [p for p, load in zip(pods, loads) if load <= edge or p.waiting <= shortest_queue]
 
 
 def _new_prefix(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:

@@ -113,9 +113,9 @@ class Settings(BaseModel):
     # Routing for KV reuse (prefix_index.py): what each pod's cache should already hold.
     prefix_affinity: bool = True
     """Send a request to the pod that holds the longest prefix of its prompt, unless that pod is far busier."""
-    prefix_queue_margin: int = Field(16, ge=0, le=10_000)
+    prefix_queue_margin: int = Field(8, ge=0, le=10_000)
     """A pod holding the prefix wins while its waiting requests exceed the least waiting pod's by at most this."""
-    prefix_queue_ratio: float = Field(2.0, ge=1.0, le=100.0)
+    prefix_queue_ratio: float = Field(3.0, ge=1.0, le=100.0)
     """...or while they are at most this many times the least waiting pod's (under load every queue is long)."""
     prefix_min_blocks: int = Field(2, ge=1, le=4096)
     """Matches shorter than this many blocks do not count (every chat shares its first few characters)."""

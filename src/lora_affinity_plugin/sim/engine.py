@@ -17,7 +17,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockPool
+from .kv_cache import BlockPool, block_hashes
 
 
 @dataclass
@@ -58,6 +58,9 @@ class Sequence:
     """Cached blocks this sequence references (a subset of its `blocks`)."""
     cached_tokens: int = 0
     """Prompt tokens found cached at its last admission."""
+    prompt_text: str | None = None
+    """The prompt's text, to name the blocks of its reply when it ends (None: not cached)."""
+    salt: str | None = None
 
     @property
     def context(self) -> int:
@@ -240,12 +243,20 @@ class ReplicaEngine:
         if seq.done:
             seq.finished_at = now
             self.running.remove(seq)
-            self._free(seq)
+            self._free(seq, self._reply_blocks(seq))
             self.finished_by_reason["length" if seq.target_tokens >= 750 else "stop"] += 1
             result.finished.append(seq)
 
-    def _free(self, seq: Sequence) -> None:
-        self.pool.release(seq.held, seq.blocks)
+    def _reply_blocks(self, seq: Sequence) -> tuple[int, ...]:
+        """Full blocks of the generated text after the prompt: vLLM caches them too, so a chat's next turn,
+        which resends the reply, hits them (the simulator's reply is "x " per token, as it answers)."""
+        if not self.config.prefix_caching or seq.prompt_text is None:
+            return ()
+        whole = block_hashes(seq.prompt_text + "x " * seq.generated, seq.adapter, seq.salt, self.config.block_size)
+        return whole[len(seq.block_hashes):]
+
+    def _free(self, seq: Sequence, reply: tuple[int, ...] = ()) -> None:
+        self.pool.release(seq.held, seq.blocks, reply)
         seq.held = []
         seq.blocks = 0
         seq.cached_tokens = 0

@@ -125,7 +125,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             else:
                 text, tokens = SEED_PROMPT, scenario.prompt_tokens
             seq = Sequence(str(req.index), req.adapter, tokens, engine.output_length(scenario.max_tokens),
-                           arrival=req.arrival, block_hashes=block_hashes(text, req.adapter, None, engine.config.block_size))
+                           arrival=req.arrival, block_hashes=block_hashes(text, req.adapter, None, engine.config.block_size),
+                           prompt_text=text if prefix_load else None)
             engine.add(seq)
             seqs[req.index] = (seq, replica, connection, req)
             by_seq[id(seq)] = req.index

@@ -107,8 +107,23 @@ class BlockPool:
     def grow(self, blocks: int) -> None:
         self._allocate(blocks)
 
-    def release(self, held: Sequence[int], total: int) -> None:
-        """A request's `total` blocks are freed; the hashed ones stay cached, its tail evicted first."""
+    def release(self, held: Sequence[int], total: int, reply: Sequence[int] = ()) -> None:
+        """A request's `total` blocks are freed; the hashed ones stay cached, its tail evicted first.
+
+        `reply` names the blocks its generated tokens filled (a continuation of `held`'s chain): they
+        stay cached as well, as far as the request's own blocks go.
+        """
+        private = total - len(held)
+        named = []
+        if self.caching:
+            for h in reply[:private]:
+                if h in self._in_use or h in self._free_cached:
+                    break
+                named.append(h)
+        for h in reversed(named):
+            self._free_cached[h] = None
+        self.free += len(named)
+        total -= len(named)
         for h in reversed(held):
             refs = self._in_use[h] - 1
             if refs:

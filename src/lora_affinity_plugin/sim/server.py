@@ -124,10 +124,10 @@ class LiveReplica:
             self.lora_history.append((time.time(), running, waiting))
             del self.lora_history[:-3]
 
-    def submit(self, adapter: str | None, prompt_tokens: int, max_tokens: int,
-               hashes: tuple[int, ...] = ()) -> tuple[Sequence, asyncio.Queue]:
+    def submit(self, adapter: str | None, prompt_tokens: int, max_tokens: int, hashes: tuple[int, ...] = (),
+               text: str | None = None, salt: str | None = None) -> tuple[Sequence, asyncio.Queue]:
         seq = Sequence(uuid.uuid4().hex, adapter, prompt_tokens, self.engine.output_length(max_tokens), self.now(),
-                       block_hashes=hashes)
+                       block_hashes=hashes, prompt_text=text, salt=salt)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[id(seq)] = queue
         self.engine.add(seq)
@@ -179,7 +179,7 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
                               f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
                               f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
         hashes = block_hashes(text, adapter, salt, replica.engine.config.block_size)
-        seq, queue = replica.submit(adapter, prompt_tokens, max_tokens, hashes)
+        seq, queue = replica.submit(adapter, prompt_tokens, max_tokens, hashes, text, salt)
         if body.get("stream"):
             return StreamingResponse(_stream(seq, queue, model, chat), media_type="text/event-stream")
         try:
