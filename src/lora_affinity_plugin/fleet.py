@@ -59,8 +59,11 @@ class FleetView:
         self._pods: dict[str, _PodState] = {}
         self.inflight = InFlight()
         self.peer_counts: dict[str, int] = {}
+        self.peer_processes = 0
+        """Other gateway processes sharing in-flight requests, as of the last refresh."""
         self._anonymous = 0
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
+        self._dealing: dict[str, int] = {}
 
     # --- background side -------------------------------------------------------------------
     def update(self, records: Mapping[str, PodRecord]) -> None:
@@ -94,21 +97,42 @@ class FleetView:
                       settings: Settings, sheddable: bool = False) -> RouteRequest:
         """What the rules need to know about one request: its adapter, class and prompt prefix."""
         hashes = prompt_prefix(messages, scope, request_kwargs, settings)
+        gateways = 1 + self.peer_processes
+        home = self.dealt_pod(adapter, pods) if gateways > 1 and adapter is not None else None
         if not hashes:
-            return RouteRequest(adapter, sheddable)
+            return RouteRequest(adapter, sheddable, placement_key=placement_key(scope, ()), gateways=gateways,
+                                home=home)
         return RouteRequest(
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
             prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
-            prefix_sizes=self.prefixes.size_view())
+            prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home)
+
+    def serve(self, adapters: Iterable[str]) -> None:
+        """The adapters the fleet serves (the pods' /v1/models, from discovery): what gateways deal."""
+        order = sorted(adapters)
+        self._dealing = {adapter: i for i, adapter in enumerate(order)}
+
+    def dealt_pod(self, adapter: str, pods: Iterable[str]) -> str | None:
+        """Served adapters dealt over the pods in order, like cards: every gateway deals alike."""
+        index = self._dealing.get(adapter)
+        if index is None:
+            return None
+        ordered = sorted(pods)
+        return ordered[index % len(ordered)] if ordered else None
 
     def update_peers(self, share: PeerShare) -> None:
         """Replace what the peers sent; only their dispatches newer than a pod's scrape count."""
         self.peer_counts = share.counts
+        self.peer_processes = share.processes
         for pod, state in self._pods.items():
             recent = share.recent.get(pod, ())
             if recent or state.peers:
                 state.peers = [entry for entry in recent if entry[0] > state.covered_until]
                 state.view = None
+                slots = self._memory(state.base.max_lora if state.base else None)
+                for _, adapter in state.peers:  # a peer's dispatch leaves its adapter resident too
+                    if adapter is not None:
+                        _touch(state.resident, adapter, slots)
 
     def recent_dispatches(self) -> dict[str, list[tuple[float, str | None]]]:
         """This process's share for its peers: unfinished dispatches no scrape has covered yet."""

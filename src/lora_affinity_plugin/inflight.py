@@ -81,6 +81,8 @@ def encode_share(counts: Mapping[str, int], recent: Mapping[str, Sequence[tuple[
 class PeerShare:
     counts: dict[str, int]
     recent: dict[str, list[tuple[float, str | None]]]
+    processes: int = 1
+    """How many peer processes this share sums."""
 
 
 def decode_shares(raws: Iterable[bytes | None]) -> PeerShare:
@@ -104,12 +106,14 @@ def merge_shares(shares: Iterable[PeerShare]) -> PeerShare:
     """Several processes' tables as one: counts summed, dispatches pooled."""
     counts: dict[str, int] = {}
     recent: dict[str, list[tuple[float, str | None]]] = {}
+    processes = 0
     for share in shares:
+        processes += share.processes
         for pod, n in share.counts.items():
             counts[pod] = counts.get(pod, 0) + n
         for pod, entries in share.recent.items():
             recent.setdefault(pod, []).extend(entries)
-    return PeerShare(counts, recent)
+    return PeerShare(counts, recent, processes)
 
 
 def inflight_key(prefix: str, process: str) -> str:

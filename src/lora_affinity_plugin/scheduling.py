@@ -80,6 +80,10 @@ class RouteRequest:
     """Blocks each pod's index holds (the sglang-cache-aware reference needs them)."""
     prefix_hashes: tuple[int, ...] = ()
     """The chain itself: the chosen pod will hold it (FleetView.note_prefix)."""
+    gateways: int = 1
+    """Gateway processes routing for this fleet (this one and the peers sharing through Redis)."""
+    home: str | None = None
+    """The pod the served adapters, dealt over the candidates in order, give this adapter."""
 
 
 @dataclass(slots=True)
@@ -251,9 +255,7 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     if request.adapter is None:
         pods = run.apply("least_load", pods, _least_load(pods, run.width))
         pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        if long_prompt:
-            pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
-        return run.pick(pods, "base_model", agree=long_prompt)
+        return run.pick(pods, "base_model")
 
     adapter = request.adapter
     fleet_min = min(p.load for p in pods)
@@ -263,22 +265,32 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         pods = run.apply("adapter_active", pods, roomy)
         pods = run.apply("least_load", pods, _least_load(pods, run.width))
         pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        if long_prompt:
-            pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
-        return run.pick(pods, "affinity", agree=long_prompt)
+        return run.pick(pods, "affinity")
 
     # Place (or spill) the adapter where it adds the least contention: a pod with a free slot,
     # one that still holds it, then the fewest distinct adapters, then the least load.
     branch = "spill" if holders else "place"
     others = [p for p in pods if adapter not in p.active_adapters] or pods
+    if request.gateways > 1 and request.home is not None:
+        least = min(p.load for p in others)
+        dealt = [p for p in others if p.key == request.home and p.load <= least + settings.spill_queue_margin]
+        if dealt:
+            pods = run.apply("dealt", others, dealt)
+            return run.pick(pods, branch)
     pods = run.apply("resident", others, [p for p in others if adapter in p.resident_adapters])
     pods = run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
+    if request.gateways > 1:
+        # Peers place at the same moment from the same snapshot, each counting only its own dispatches:
+        # exact balancing on that partial view disagrees. So every gateway deals the served adapters
+        # over the pods the same way and starts an adapter on its dealt pod, if that one has a free
+        # slot and is not far busier; else the adapter's rendezvous ranking chooses: all agree.
+        least = min(p.load for p in pods)
+        pods = run.apply("roomy", pods, [p for p in pods if p.load <= least + settings.spill_queue_margin])
+        return run.pick(pods, branch, agree=True)
     fewest = min(len(p.active_adapters) for p in pods)
     pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
     pods = run.apply("least_load", pods, _least_load(pods, run.width))
     pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-    if long_prompt:
-        pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
     return run.pick(pods, branch, agree=True)
 
 

@@ -27,7 +27,7 @@ LIVE_DEFAULT = ["per-connection-random", "simple-shuffle", "least-busy", "latenc
                 "usage-based-routing-v2", "gie-v0.2", "lora-affinity"]
 GATEWAYS_DEFAULT = ["simple-shuffle", "least-busy", "gie-v0.2", "lora-affinity-unshared", "lora-affinity"]
 """With --gateways N: the plugin with and without shared in-flight counts, and the others, all at N."""
-GATEWAY_GOAL_LOSS = 0.05
+GATEWAY_GOAL_LOSS = 0.02
 
 
 def _strategies(args: argparse.Namespace) -> list[str]:

@@ -44,10 +44,18 @@ def run_latency(args: argparse.Namespace) -> int:
     for rate in rates:
         at = at_rate(scenario, rate)
         results += _run_fast(at, strategies, args) if args.mode == "fast" else _run_live(at, strategies, args)
+        if args.gateways > 1 and "lora-affinity" in strategies:
+            one = argparse.Namespace(**{**vars(args), "gateways": 1})
+            (single,) = _run_fast(at, ["lora-affinity"], one) if args.mode == "fast" else _run_live(at, ["lora-affinity"], one)
+            single.strategy = "lora-affinity, 1 gateway"
+            results.append(single)
     refused = [reason for r in results if (reason := refusal(r))]
     results = [r for r in results if not refusal(r)]
     print(format_latency_table(results))
-    print(goals_summary(results))
+    if args.gateways > 1:
+        print(gateways_summary(results, args.gateways))
+    else:
+        print(goals_summary(results))
     if args.json_path:
         write_json(results, args.json_path)
         print(f"results written to {args.json_path}")
@@ -164,6 +172,23 @@ def goals_summary(results: list[Result]) -> str:
         lines.append(_check(f"highest swept rate with TTFT p90 < 1 s: lora-affinity {goodput['lora-affinity']:g}, "
                             f"simple-shuffle {goodput['simple-shuffle']:g} req/s ({ratio:.2f}x >= 1.5x)", ratio >= 1.5))
     return "\n".join(lines) if lines else "(goals need simple-shuffle and lora-affinity over a sweep that overloads simple-shuffle)"
+
+
+def gateways_summary(results: list[Result], gateways: int) -> str:
+    """The fleet's hit rate with N gateways against 1, with and without sharing the index (goal: lose <= 2%)."""
+    lines = [f"{gateways} gateways vs 1 (prefix hit rate; goal: lose <= 2% of 1 gateway's):"]
+    for rate in sorted({r.rate for r in results if r.rate is not None}):
+        by = {r.strategy: r for r in results if r.rate == rate}
+        one = by.get("lora-affinity, 1 gateway")
+        if one is None or not one.hit_rate:
+            continue
+        for name, label in (("lora-affinity", "index shared"), ("lora-affinity-unshared", "not shared")):
+            r = by.get(name)
+            if r is not None and r.hit_rate is not None:
+                loss = 1 - r.hit_rate / one.hit_rate
+                lines.append(_check(f"{rate:g} req/s, {label:<13} {r.hit_rate:.1%} vs {one.hit_rate:.1%} "
+                                    f"(loss {loss:.1%}); TTFT p90 {_p90(r):.3f} vs {_p90(one):.3f} s", loss <= 0.02))
+    return "\n".join(lines)
 
 
 def _check(text: str, ok: bool) -> str:

@@ -86,6 +86,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     engines = make_engines(scenario, seed, prefix_caching)
     policies = [make_policy(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
                 for g in range(gateways)]
+    for policy in policies:
+        policy.discovered(list(scenario.adapters))
     counter = itertools.count()
     heap: list[tuple[float, int, str, object]] = []
 
@@ -153,7 +155,11 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         push(req.arrival, "arrive", req)
         push(req.arrival + scenario.deadline_s, "timeout", req.index)
     push(0.0, "scrape")
-    if gateways > 1:
+    if gateways > 1:  # the gateways have been sharing before the load starts: they know their peers
+        for g, policy in enumerate(policies):
+            shares = [share for i, p in enumerate(policies) if i != g and (share := p.share()) is not None]
+            if shares:
+                policy.peers(merge_shares(shares))
         push(SHARE_OFFSET_S, "share")
 
     while heap and len(outcomes) < expected:

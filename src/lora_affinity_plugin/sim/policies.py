@@ -57,6 +57,9 @@ class Policy:
     def scraped(self, snapshots: list[PodMetrics], gpu: list[frozenset[str]], at: float) -> None:
         pass
 
+    def discovered(self, adapters: list[str]) -> None:
+        """What the pods' /v1/models list (the plugin learns it through the scraper's discovery)."""
+
 
 class PerConnectionRandom(Policy):
     """What a Kubernetes Service does: each client connection sticks to one random replica."""
@@ -209,6 +212,9 @@ class Rules(Policy):
     def scraped(self, snapshots, gpu, at) -> None:
         self.fleet.update({k: PodRecord(k, at, m) for k, m in zip(self.keys, snapshots)})
         self.fleet.maintain(at)
+
+    def discovered(self, adapters: list[str]) -> None:
+        self.fleet.serve(adapters)
 
     def take_prefixes(self) -> list:
         entries = self.fleet.prefixes.take_outbox(SHARE_MAX_BLOCKS)
