@@ -5,12 +5,28 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings as hyp_settings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from lora_affinity_plugin.fleet import FleetView
-from lora_affinity_plugin.prefix_index import PrefixIndex, decode_entries, encode_entries
-from lora_affinity_plugin.prefixes import prefix_hashes, prompt_prefix, render_prompt, request_salt
-from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
+from lora_affinity_plugin.prefix_index import (
+    PrefixIndex,
+    decode_entries,
+    encode_entries,
+)
+from lora_affinity_plugin.prefixes import (
+    prefix_hashes,
+    prompt_prefix,
+    render_prompt,
+    request_salt,
+)
+from lora_affinity_plugin.scheduling import (
+    Candidate,
+    PodMetrics,
+    RouteRequest,
+    choose_pod,
+)
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
 

@@ -131,7 +131,10 @@ class Follower:
         records = decode_records(pods, raws[1:1 + len(pods)])
         self.fleet.update(records)
         self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1]))
-        self.served_models = decode_served(raws[-1])
+        served = decode_served(raws[-1])
+        if served != self.served_models:
+            self.fleet.serve(served)  # what gateways deal over the pods to agree on placements
+        self.served_models = served
         self._follow_prefixes(stream, len(entries))
         self.fleet.maintain(time.time())
         own = self.process.encode()

@@ -218,6 +218,8 @@ def run_explain(args: argparse.Namespace) -> int:
                                   [c.key for c in candidates], settings, args.criticality == "sheddable")
     data: dict = {"model": args.model, "criticality": args.criticality, "settings_version": copy.version if copy else 0,
                   "rule_set": settings.rule_set, "candidates": [c.key for c in candidates],
+                  "view": {c.key: {"waiting": c.waiting, "running": c.running, "kv": round(c.kv_cache_usage, 3)}
+                           for c in candidates},
                   "prefix_blocks": request.prefix_blocks,
                   "prefix_matches": {c.key: request.prefix_matches.get(c.key, 0) for c in candidates}}
     try:
