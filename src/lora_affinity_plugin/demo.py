@@ -9,13 +9,12 @@ Ctrl-C or the end stops every process it started.
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 from .bench.live import run_strategy
 from .bench.results import format_table, write_chart, write_json
 from .bench.scenarios import get_scenario, with_overrides
-from .processes import free_port, redis_server
+from .processes import free_port, redis_server, scratch_dir
 
 _EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
 
@@ -33,7 +32,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     scenario = with_overrides(get_scenario("seed"), requests=args.requests)
-    workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-demo-"))
+    workdir = scratch_dir("lora-affinity-demo-")
     config = Path(args.config) if args.config else None
     redis_port = free_port()
     store = redis_server(redis_port, workdir, allow_embedded=True)

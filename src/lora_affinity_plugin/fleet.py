@@ -159,6 +159,7 @@ class FleetView:
             active_adapters=active,
             resident_adapters=resident,
             max_lora=metrics.max_lora,
+            reported_waiting=metrics.num_requests_waiting,
         )
 
     def _memory(self, max_lora: int | None) -> int:

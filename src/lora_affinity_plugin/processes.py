@@ -6,6 +6,7 @@ a run leaves nothing behind.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import shutil
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -173,3 +175,36 @@ def litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", e
 
 def lora_affinity(args: list[str], log_dir: Path, name: str, env: dict | None = None) -> Proc:
     return Proc(name, [sys.executable, "-m", "lora_affinity_plugin.cli", *args], log_dir, env=env)
+
+
+_SCRATCH: list[Path] = []
+_KEEP_SCRATCH = False
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder for a run's logs and configs, removed when the process exits normally.
+
+    Kept (and named on stderr) when the run dies of an exception, or with LORA_AFFINITY_KEEP_LOGS=1.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    if not _SCRATCH:
+        atexit.register(_remove_scratch)
+        previous = sys.excepthook
+
+        def keep_on_crash(*exc_info) -> None:
+            global _KEEP_SCRATCH
+            _KEEP_SCRATCH = True
+            previous(*exc_info)
+
+        sys.excepthook = keep_on_crash
+    _SCRATCH.append(path)
+    return path
+
+
+def _remove_scratch() -> None:
+    keep = _KEEP_SCRATCH or os.environ.get("LORA_AFFINITY_KEEP_LOGS") == "1"
+    for path in _SCRATCH:
+        if keep:
+            print(f"logs kept in {path}", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)

@@ -55,6 +55,8 @@ class Candidate:
     active_adapters: frozenset[str]
     resident_adapters: frozenset[str] = frozenset()
     max_lora: int | None = None
+    reported_waiting: int = 0
+    """The queue the pod itself reported at its last scrape (`waiting` adds the dispatches since)."""
 
     @property
     def load(self) -> int:
@@ -295,12 +297,14 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
 
 
 def _not_far_busier(pods: list[Candidate], settings: Settings) -> list[Candidate]:
-    """Pods whose load is within `prefix_queue_margin` of the least, or within `prefix_queue_ratio` times it."""
+    """Pods not far busier: a pod is far busier when it reported a queue longer than the shortest by more
+    than one request (a request just sent, or one waiting for the next step, is not a queue) and its load
+    is beyond both `prefix_queue_margin` above the least and `prefix_queue_ratio` times it."""
     loads = [p.waiting + p.running for p in pods]
     least = min(loads)
     edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
-    shortest_queue = min(p.waiting for p in pods)
-    return [p for p, load in zip(pods, loads) if load <= edge or p.waiting <= shortest_queue]
+    queue_edge = min(p.reported_waiting for p in pods) + 1  # one waiting request is the next step's admission
+    return [p for p, load in zip(pods, loads) if load <= edge or p.reported_waiting <= queue_edge]
 
 
 def _new_prefix(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:

@@ -30,6 +30,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-chars", type=int, default=0,
                         help="decisions scenario: characters per chat prompt (0: the seed's short prompt)")
     parser.add_argument("--pods", type=int, default=256, help="scrape-scale: simulated replicas")
+    parser.add_argument("--pods-blocks", help="index-memory: PODSxGPU_BLOCKS,... (default 6x700,64x100000)")
     parser.add_argument("--seconds", type=float, default=10.0, help="scrape-scale: how long each variant runs")
     parser.set_defaults(func=run_bench)
 
@@ -37,7 +38,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", *SCENARIOS]
+    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "index-memory", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -45,6 +46,14 @@ def run_bench(args: argparse.Namespace) -> int:
         from .decisions import run_decisions
 
         return run_decisions(args)
+    if args.scenario == "overload":
+        from .overload import run_overload
+
+        return run_overload(args)
+    if args.scenario == "index-memory":
+        from .index_memory import run_index_memory
+
+        return run_index_memory(args)
     if args.scenario == "soak":
         from .soak import run_soak
 

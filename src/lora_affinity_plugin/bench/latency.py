@@ -113,7 +113,7 @@ def median_latency(runs: list[Result]) -> Result:
         timeouts=int(med(lambda r: r.timeouts)), errors=int(med(lambda r: r.errors)),
         duration_s=med(lambda r: r.duration_s), output_tokens=int(med(lambda r: r.output_tokens)),
         ttft_s=pct("ttft_s"), e2e_s=pct("e2e_s"), itl_s=pct("itl_s"), per_replica=first.per_replica,
-        seeds=len(runs), hit_rate=med(lambda r: r.hit_rate or 0.0), rate=first.rate)
+        seeds=len(runs), hit_rate=med(lambda r: r.hit_rate or 0.0), rate=first.rate, shed=int(med(lambda r: r.shed)))
 
 
 def format_latency_table(results: list[Result]) -> str:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,6 +28,7 @@ from ..processes import (
     free_port,
     free_port_range,
     redis_server,
+    scratch_dir,
     start_litellm_proxy,
     wait_port,
     wait_proxy,
@@ -37,7 +37,7 @@ from ..sim.policies import RULE_SETS
 from .loadgen import run_load
 from .open_loop import run_open_loop
 from .prefix_workloads import PrefixWorkload
-from .results import Result, summarize
+from .results import Result, summarize_classes
 from .scenarios import Scenario
 from .transport import TransportProbe
 
@@ -101,7 +101,7 @@ class Fleet:
                     "--seed", str(self.seed), "--max-loras", str(s.max_loras), "--max-cpu-loras", str(s.max_cpu_loras)]
         if s.warm:
             sim_args += ["--warm-adapters", ",".join(s.adapters)]
-        sim_args += ["--lora-info-style", self.lora_info_style]
+        sim_args += ["--lora-info-style", self.lora_info_style, "--mean-output-tokens", str(s.mean_output_tokens)]
         self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli", *sim_args],
                                self.workdir))
         for i in range(s.replicas):
@@ -193,7 +193,7 @@ def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int,
             outcomes, duration = asyncio.run(run_load(
                 scenario, fleet.targets, speed, seed, api_key=MASTER_KEY,
                 per_connection=strategy == "per-connection-random", on_done=bar.update if bar else None))
-        result = summarize(strategy, scenario.name, "live", outcomes, duration, scenario.replicas)
+        result = summarize_classes(strategy, scenario.name, "live", outcomes, duration, scenario.replicas)
         result.transport = probe.stop(len(outcomes)).to_dict()
         result.per_replica = fleet.served_per_replica()
         result.hit_rate = fleet.prefix_hit_rate()
@@ -205,7 +205,7 @@ def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int,
 
 def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace, gateways: int) -> list[Result]:
     speed = args.speed or DEFAULT_SPEED
-    workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-bench-"))
+    workdir = scratch_dir("lora-affinity-bench-")
     redis_port = free_port()
     store = redis_server(redis_port, workdir, allow_embedded=True)
     if store.embedded:

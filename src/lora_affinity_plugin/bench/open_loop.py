@@ -47,6 +47,8 @@ async def run_open_loop(workload: PrefixWorkload, targets: list[str], speed: flo
     async def send(session: aiohttp.ClientSession, base: str, req: PromptRequest) -> tuple[RequestOutcome, str]:
         body = {"model": req.model, "messages": req.messages, "max_tokens": req.max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if req.sheddable:
+            body["metadata"] = {"criticality": "sheddable"}
         sent = time.monotonic()
         created = start + req.arrival / speed
         first = last = None
@@ -57,7 +59,7 @@ async def run_open_loop(workload: PrefixWorkload, targets: list[str], speed: flo
                     if resp.status != 200:
                         text = (await resp.read())[:200].decode(errors="replace")
                         return RequestOutcome(None, False, e2e_s=(time.monotonic() - sent) * speed,
-                                              error=f"HTTP {resp.status}: {text[:80]}"), ""
+                                              error=f"HTTP {resp.status}: {text[:80]}", sheddable=req.sheddable), ""
                     async for line in resp.content:
                         if not line.startswith(b"data: {"):
                             continue
@@ -70,14 +72,14 @@ async def run_open_loop(workload: PrefixWorkload, targets: list[str], speed: flo
                                 reply.append(content)
                         tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
         except (asyncio.TimeoutError, TimeoutError):
-            return RequestOutcome(None, False), ""
+            return RequestOutcome(None, False, sheddable=req.sheddable), ""
         except aiohttp.ClientError as exc:
             return RequestOutcome(None, False, e2e_s=(time.monotonic() - sent) * speed,
-                                  error=f"{type(exc).__name__}: {exc}"[:120]), ""
+                                  error=f"{type(exc).__name__}: {exc}"[:120], sheddable=req.sheddable), ""
         end = time.monotonic()
         itl = (last - first) * speed / (tokens - 1) if first and last and tokens > 1 else None
         return RequestOutcome(None, True, tokens, (first - created) * speed if first else None,
-                              (end - created) * speed, itl_s=itl), "".join(reply)
+                              (end - created) * speed, itl_s=itl, sheddable=req.sheddable), "".join(reply)
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:

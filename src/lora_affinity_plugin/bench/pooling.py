@@ -15,7 +15,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from ..processes import MASTER_KEY, free_port, redis_server
+from ..processes import MASTER_KEY, free_port, redis_server, scratch_dir
 from .live import DEFAULT_SPEED, Fleet, run_strategy
 from .results import Result, format_table, percentiles, refusal
 from .scenarios import get_scenario, with_overrides
@@ -79,7 +78,7 @@ def run_pooling(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else STRATEGIES
     speed = args.speed or DEFAULT_SPEED
     repeat = max(1, args.repeat)
-    workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-bench-"))
+    workdir = scratch_dir("lora-affinity-bench-")
     redis_port = free_port()
     store = redis_server(redis_port, workdir, allow_embedded=True)
     print(f"pooling: the seed workload ({scenario.requests} requests, {scenario.connections} connections) at "

@@ -3,6 +3,8 @@
 - ``shared-prefix``: the shape of the Kubernetes `inference-perf` tool's shared_prefix generator:
   groups of requests share a system prompt, each request asks its own question; groups on adapters
   and on the base model; more system prompts than one replica's cache holds.
+- ``overload``: unique prompts (nothing to reuse) on adapters, a share of them sheddable, at
+  multiples of the rate the fleet sustains.
 - ``multi-turn``: chat sessions of a few apps (each an adapter, or the base model, with its own
   system prompt); every turn resends the whole history (the app's system prompt, the earlier
   questions and the replies received) after a think time. An app's sessions outnumber what one
@@ -38,6 +40,8 @@ class PromptRequest:
     max_tokens: int
     turn: int = 0
     stream: bool = True
+    sheddable: bool = False
+    """Sent with `metadata: {"criticality": "sheddable"}` (the overload scenario)."""
 
     @property
     def model(self) -> str:
@@ -67,11 +71,18 @@ class PrefixWorkload:
         s = self.scenario
         rng = random.Random(f"{self.seed}-prefix-workload")
         out, t = [], 0.0
-        count = s.requests if s.kind == "shared-prefix" else max(1, round(s.requests / max(1, s.turns)))
-        rate = (s.arrival_rate or 1.0) if s.kind == "shared-prefix" else (s.arrival_rate or 1.0) / max(1, s.turns)
+        sessions = s.kind == "multi-turn"
+        count = max(1, round(s.requests / max(1, s.turns))) if sessions else s.requests
+        rate = (s.arrival_rate or 1.0) / max(1, s.turns) if sessions else (s.arrival_rate or 1.0)
         for i in range(count):
             t += rng.expovariate(rate)
-            if s.kind == "shared-prefix":
+            if s.kind == "overload":  # unique prompts: nothing to reuse, every request costs its prefill
+                adapter = rng.choice(s.adapters)
+                request = self._request(t, adapter, [{"role": "user", "content": f"{i}: " + text(rng, s.question_tokens)}],
+                                        i, 0)
+                request.sheddable = rng.random() < s.sheddable_share
+                out.append(request)
+            elif s.kind == "shared-prefix":
                 group = rng.randrange(s.groups)
                 adapter = None if group >= s.groups - s.base_groups else s.adapters[group % len(s.adapters)]
                 question = f"Question {i}: " + text(rng, s.question_tokens)

@@ -10,9 +10,7 @@ import argparse
 import re
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import redis
@@ -24,6 +22,7 @@ from ..processes import (
     free_port,
     proxy_config,
     redis_server,
+    scratch_dir,
     start_litellm_proxy,
     wait_port,
     wait_proxy,
@@ -40,7 +39,7 @@ def _applied(client: httpx.Client, port: int) -> int:
 
 def run_propagation(args: argparse.Namespace) -> int:
     changes = args.requests or 50
-    workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-propagation-"))
+    workdir = scratch_dir("lora-affinity-propagation-")
     redis_port, sim_port = free_port(), free_port()
     procs: list[Proc] = []
     store = redis_server(redis_port, workdir, allow_embedded=True)

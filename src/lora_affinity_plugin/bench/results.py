@@ -20,6 +20,7 @@ class RequestOutcome:
     """Why a request failed (HTTP status and message, or the client error), for the error summary."""
     itl_s: float | None = None
     """Mean inter-token latency of the request (streamed, more than one token)."""
+    sheddable: bool = False
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Result:
     """The fleet's prefix-cache hit rate: hit / queried prompt tokens, from the replicas' counters."""
     rate: float | None = None
     """Open-loop arrivals per second (None: the closed-loop seed client)."""
+    shed: int = 0
+    """Requests refused with HTTP 429 (shedding: an answer, not an error)."""
+    classes: dict = field(default_factory=dict)
+    """Per criticality ("critical", "sheddable"), the same figures, when the run had sheddable requests."""
 
     @property
     def req_per_s(self) -> float:
@@ -92,17 +97,30 @@ def summarize(strategy: str, scenario: str, mode: str, outcomes: list[RequestOut
     for o in outcomes:
         if o.replica is not None:
             per_replica[o.replica] += 1
+    shed = [o for o in outcomes if not o.ok and (o.error or "").startswith("HTTP 429")]
     return Result(
         strategy=strategy, scenario=scenario, mode=mode, completed=len(done),
         timeouts=sum(1 for o in outcomes if not o.ok and o.e2e_s is None),
-        errors=sum(1 for o in outcomes if not o.ok and o.e2e_s is not None),
+        errors=sum(1 for o in outcomes if not o.ok and o.e2e_s is not None) - len(shed), shed=len(shed),
         duration_s=round(duration_s, 3), output_tokens=sum(o.output_tokens for o in done),
         ttft_s=percentiles([o.ttft_s for o in done if o.ttft_s is not None]),
         e2e_s=percentiles([o.e2e_s for o in done if o.e2e_s is not None]),
         itl_s=percentiles([o.itl_s for o in done if o.itl_s is not None]),
         per_replica=per_replica,
-        error_kinds=dict(Counter(o.error for o in outcomes if o.error).most_common(5)),
+        error_kinds=dict(Counter(o.error for o in outcomes if o.error and not o.error.startswith("HTTP 429"))
+                         .most_common(5)),
     )
+
+
+def summarize_classes(strategy: str, scenario: str, mode: str, outcomes: list[RequestOutcome], duration_s: float,
+                      replicas: int) -> Result:
+    """`summarize`, plus the same per criticality when some requests were sheddable."""
+    result = summarize(strategy, scenario, mode, outcomes, duration_s, replicas)
+    if any(o.sheddable for o in outcomes):
+        result.classes = {name: summarize(strategy, scenario, mode, [o for o in outcomes if o.sheddable is flag],
+                                          duration_s, replicas)
+                          for name, flag in (("critical", False), ("sheddable", True))}
+    return result
 
 
 def median_result(results: list[Result]) -> Result:

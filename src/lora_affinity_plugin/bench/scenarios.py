@@ -48,6 +48,7 @@ class Scenario:
     """Open-loop runs: arrivals for this long (simulated seconds) at the scenario's rate."""
     rates: tuple[float, ...] = ()
     """The default sweep of arrival rates (requests per second)."""
+    sheddable_share: float = 0.0
 
     @property
     def open_loop(self) -> bool:
@@ -78,6 +79,11 @@ SCENARIOS: dict[str, Scenario] = {
                  kind="multi-turn", adapters=_adapters(4), base_groups=2, system_tokens=400, question_tokens=80, turns=6,
                  think_s=5.0, max_tokens=300, mean_output_tokens=120, connections=100_000, deadline_s=120.0,
                  duration_s=90.0, arrival_rate=6.0, rates=(3.0, 6.0, 9.0, 12.0, 15.0)),
+        Scenario("overload", "unique ~1,200-token prompts on 12 adapters, ~40-token answers, two thirds sheddable; "
+                 "Poisson arrivals at 1x, 2x and 3x the rate the fleet sustains (1.5 req/s)",
+                 kind="overload", question_tokens=1200, max_tokens=100, mean_output_tokens=40, replicas=2,
+                 connections=100_000, deadline_s=120.0, duration_s=120.0, arrival_rate=1.5, rates=(1.5, 3.0, 4.5),
+                 sheddable_share=2 / 3),
     ]
 }
 

@@ -13,13 +13,18 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 from ..parsing import parse_metrics
-from ..processes import Proc, free_port, free_port_range, redis_server, wait_port
+from ..processes import (
+    Proc,
+    free_port,
+    free_port_range,
+    redis_server,
+    scratch_dir,
+    wait_port,
+)
 from ..scheduling import PodMetrics
 from ..scraper import Scraper
 from ..settings import build_settings
@@ -60,7 +65,7 @@ async def _measure(scraper: Scraper, seconds: float, interval_s: float) -> dict:
 def run_scrape_scale(args: argparse.Namespace) -> int:
     count, interval_ms, seconds = args.pods, 200, args.seconds
     page = reference_page()
-    workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-scrape-scale-"))
+    workdir = scratch_dir("lora-affinity-scrape-scale-")
     redis_port, base = free_port(), free_port_range(count)
     store = redis_server(redis_port, workdir, allow_embedded=True)
     pages = Proc("pages", [sys.executable, "-m", "lora_affinity_plugin.bench.pages", "--base-port", str(base),

@@ -14,7 +14,6 @@ import asyncio
 import random
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ..processes import (
     litellm_proxy,
     proxy_config,
     redis_server,
+    scratch_dir,
     wait_port,
 )
 
@@ -95,7 +95,7 @@ async def _client(url: str, rate: float, until: float, rng: random.Random, count
 
 def run_soak(args: argparse.Namespace) -> int:
     minutes = args.minutes
-    workdir = Path(tempfile.mkdtemp(prefix="lora-affinity-soak-"))
+    workdir = scratch_dir("lora-affinity-soak-")
     redis_port, proxy_port = free_port(), free_port()
     ports = [free_port() for _ in range(3)]
     sims = {p: _sim(p, workdir) for p in ports}

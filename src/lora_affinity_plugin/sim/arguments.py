@@ -21,6 +21,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", default="meta-llama/Llama-2-7b-hf")
     parser.add_argument("--metrics-token", help="require `Authorization: Bearer TOKEN` on /metrics")
     parser.add_argument("--min-output-tokens", type=int, default=1, help="floor of the drawn output length")
+    parser.add_argument("--mean-output-tokens", type=float, default=580.0,
+                        help="mean of the drawn output length (exponential, capped by max_tokens)")
     parser.add_argument("--residency-metric", action="store_true",
                         help="expose vllm:lora_adapter_loaded{adapter_name,level} (proposed upstream)")
     parser.add_argument("--keep-alive-s", type=float, default=5.0,

@@ -14,12 +14,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..bench.prefix_workloads import PrefixWorkload
-from ..bench.results import RequestOutcome, Result, summarize
+from ..bench.results import RequestOutcome, Result, summarize_classes
 from ..bench.scenarios import SEED_PROMPT, Scenario
 from ..inflight import merge_shares
 from .engine import EngineConfig, ReplicaEngine, Sequence
 from .kv_cache import block_hashes, count_tokens, prompt_text
-from .policies import make_policy
+from .policies import SHED, make_policy
 
 SCRAPE_INTERVAL_S = 0.2
 REFRESH_LAG_S = 0.1
@@ -118,8 +118,14 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             connection = free_connections.popleft()
             gateway = policies[(req.index if prefix_load else connection) % gateways]
             messages = req.messages if prefix_load else _SEED_MESSAGES
+            sheddable = getattr(req, "sheddable", False)
             replica = gateway.route(req.adapter, connection, now, str(req.index), messages=messages,
-                                    group=getattr(req, "group", 0))
+                                    group=getattr(req, "group", 0), sheddable=sheddable)
+            if replica == SHED:  # HTTP 429 at once
+                free_connections.append(connection)
+                release(req.index, now, RequestOutcome(None, False, e2e_s=0.0, error="HTTP 429: shed",
+                                                       sheddable=True))
+                continue
             engine = engines[replica]
             if prefix_load:
                 text = prompt_text({"messages": req.messages})
@@ -179,7 +185,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                     policy.completed(replica, now, latency, seq.generated)
                 itl = (now - seq.first_token_at) / (seq.generated - 1) if seq.generated > 1 else None
                 release(index, now, RequestOutcome(replica, True, seq.generated, seq.first_token_at - req.arrival,
-                                                   latency, itl_s=itl))
+                                                   latency, itl_s=itl, sheddable=getattr(req, "sheddable", False)))
                 last_event = now
             kick(replica, now)
             dispatch(now)
@@ -191,7 +197,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             if entry is not None:
                 engines[entry[1]].abort(entry[0])  # the client hangs up: vLLM aborts the request
                 by_seq.pop(id(entry[0]), None)
-            release(index, now, RequestOutcome(entry[1] if entry else None, False))
+            release(index, now, RequestOutcome(entry[1] if entry else None, False,
+                                               sheddable=getattr(requested[index], "sheddable", False)))
             last_event = now
             dispatch(now)
         elif kind == "scrape":
@@ -219,7 +226,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 policy.scraped(snapshots, gpu, scraped_at)
 
     ordered = [outcomes[i] for i in sorted(outcomes)]
-    result = summarize(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
+    result = summarize_classes(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
     queries = sum(e.prefix_queries_total for e in engines)
     result.hit_rate = round(sum(e.prefix_hits_total for e in engines) / queries, 4) if queries else None
     result.rate = scenario.arrival_rate

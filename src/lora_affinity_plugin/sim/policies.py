@@ -18,6 +18,8 @@ from ..settings import Settings, build_settings
 from ..store import PodRecord
 
 BASE_MODEL = "meta-llama/Llama-2-7b-hf"
+SHED = -1
+"""`route`'s answer for a sheddable request the rules refuse: HTTP 429."""
 
 
 class Policy:
@@ -31,7 +33,7 @@ class Policy:
         self.rng = rng
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         raise NotImplementedError
 
     def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
@@ -72,7 +74,7 @@ class PerConnectionRandom(Policy):
         self._pinned: dict[int, int] = {}
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         if connection not in self._pinned:
             self._pinned[connection] = self.rng.randrange(self.replicas)
         return self._pinned[connection]
@@ -82,7 +84,7 @@ class SimpleShuffle(Policy):
     name = "simple-shuffle"
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         return self.rng.randrange(self.replicas)
 
 
@@ -96,7 +98,7 @@ class LeastBusy(Policy):
         self.in_flight = [0] * replicas
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         low = min(self.in_flight)
         choice = self.rng.choice([i for i, n in enumerate(self.in_flight) if n == low])
         self.in_flight[choice] += 1
@@ -116,7 +118,7 @@ class LatencyBased(Policy):
         self.samples = [deque(maxlen=10) for _ in range(replicas)]
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         scores = [sum(s) / len(s) if s else 0.0 for s in self.samples]
         low = min(scores)
         return self.rng.choice([i for i, v in enumerate(scores) if v == low])
@@ -135,7 +137,7 @@ class UsageBasedV2(Policy):
         self.tpm: dict[tuple[int, int], int] = defaultdict(int)
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         minute = int(now // 60)
         usage = [self.tpm[(minute, i)] for i in range(self.replicas)]
         low = min(usage)
@@ -160,7 +162,7 @@ class SeedPicker(Policy):
         self.gpu = gpu
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         holders = [i for i, slots in enumerate(self.gpu) if adapter in slots]
         return self.rng.choice(holders) if holders else self.rng.randrange(self.replicas)
 
@@ -175,7 +177,7 @@ class StaticPartition(Policy):
         self.home: dict[str, int] = {}
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         if adapter not in self.home:
             self.home[adapter] = len(self.home) % self.replicas
         return self.home[adapter]
@@ -193,15 +195,18 @@ class Rules(Policy):
         self.fallbacks = 0
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         candidates = self.fleet.candidates(self.keys, now)
         if not candidates:
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
-        request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, None, self.keys, self.settings)
+        request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, None, self.keys, self.settings,
+                                           sheddable)
         try:
             decision = choose_pod(candidates, request, self.settings, self.rng)
-        except (Shed, NoCapacity):
+        except Shed:
+            return SHED
+        except NoCapacity:
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
         self.fleet.note_dispatch(decision.pod, adapter, now, call_id)
@@ -246,7 +251,7 @@ class PrefixPartition(Policy):
         self.home: dict[int, int] = {}
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
         if group not in self.home:
             self.home[group] = len(self.home) % self.replicas
         return self.home[group]
@@ -260,6 +265,7 @@ STRATEGY_NAMES = [
 UNSHARED = {"share_inflight": False, "share_prefixes": False}
 """lora-affinity without sharing between gateways (what --gateways N compares against)."""
 NO_PREFIX = {"prefix_affinity": False}
+NO_SHEDDING = {"shedding": False}
 LLMD_PREFIX = {"rule_set": "llmd-prefix", "count_dispatches": False, "remember_residency": False,
                "share_inflight": False, "share_prefixes": False}
 """The llm-d router: scores on scraped metrics; each router replica keeps its own index."""
@@ -268,7 +274,8 @@ SGLANG_CACHE_AWARE = {"rule_set": "sglang-cache-aware", "share_inflight": False,
 PREFIX_STRATEGIES = ["simple-shuffle", "least-busy", "gie-v0.2", "llmd-prefix", "sglang-cache-aware",
                      "lora-affinity-noprefix", "lora-affinity"]
 RULE_SETS = {"gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
-             "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE}
+             "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE,
+             "lora-affinity-noshed": NO_SHEDDING}
 """Strategies that are the plugin's own code with these settings (in fast mode and live)."""
 
 

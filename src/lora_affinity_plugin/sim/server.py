@@ -254,6 +254,7 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
 def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
     config = EngineConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, kv_blocks=args.kv_blocks,
                           base_model=args.base_model, min_output_tokens=args.min_output_tokens,
+                          mean_output_tokens=args.mean_output_tokens,
                           prefix_caching=args.prefix_caching, max_model_len=args.max_model_len)
     adapters = set(args.adapters.split(",")) if args.adapters else None
     warm = args.warm_adapters.split(",") if args.warm_adapters else []
