@@ -168,8 +168,9 @@ def test_fleet_sizes_each_pods_index_from_its_cache():
 # --- the rules -----------------------------------------------------------------------------------
 
 
-def pod(key, waiting=0, running=0, adapters=(), kv=0.1):
-    return Candidate(key, waiting, running, kv, frozenset(adapters), max_lora=4)
+def pod(key, waiting=0, running=0, adapters=(), kv=0.1, reported=None):
+    return Candidate(key, waiting, running, kv, frozenset(adapters), max_lora=4,
+                     reported_waiting=waiting if reported is None else reported)
 
 
 def request(matches, blocks=8, adapter=None):
@@ -188,6 +189,15 @@ def test_a_far_busier_pod_holding_the_prefix_is_passed_over():
     assert decision.pod == "c"  # the shorter match on a roomy pod beats the longer one on a far busier pod
     decision = choose_pod(pods, request({"a": 8}), S, random.Random(1))
     assert decision.pod in ("b", "c") and decision.branch == "new_prefix"
+
+
+def test_requests_just_sent_are_not_a_queue_that_passes_a_holder_over():
+    pods = [pod("a", waiting=30, running=30, reported=0), pod("b", waiting=0, running=2)]
+    assert choose_pod(pods, request({"a": 8}), S, random.Random(1)).pod == "a"
+    pods = [pod("a", waiting=30, running=30, reported=1), pod("b", waiting=0, running=2)]
+    assert choose_pod(pods, request({"a": 8}), S, random.Random(1)).pod == "a"  # one waiting: next step's
+    pods = [pod("a", waiting=30, running=30, reported=2), pod("b", waiting=0, running=2)]
+    assert choose_pod(pods, request({"a": 8}), S, random.Random(1)).pod == "b"
 
 
 def test_a_match_shorter_than_prefix_min_blocks_does_not_count():
