@@ -240,6 +240,16 @@ def test_sglang_reference_balances_when_load_is_far_apart_and_fills_the_smallest
     assert choose_pod(pods, fresh, settings, random.Random(1)).pod == "b"
 
 
+def test_only_the_first_messages_are_read_and_the_head_cache_agrees():
+    from lora_affinity_plugin.prefixes import MAX_MESSAGES
+    from lora_affinity_plugin.prefixes import prefix_hashes as plain
+
+    settings = build_settings({"prefix_block_chars": 16, "prefix_min_blocks": 1}, environ={})
+    many = [{"role": "system", "content": "s" * 64}] + [{"role": "user", "content": f"m{i}"} for i in range(3000)]
+    assert render_prompt(many, 10**6) == render_prompt(many[:MAX_MESSAGES], 10**6)
+    assert prompt_prefix(many, "m", {}, settings) == plain(render_prompt(many, settings.prefix_max_chars), "m", None, 16)
+
+
 @hyp_settings(max_examples=300, deadline=None)
 @given(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", 3]),
                                        "content": st.text(max_size=700) | st.none()}), min_size=1, max_size=4),

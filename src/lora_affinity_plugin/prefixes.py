@@ -6,8 +6,9 @@ them in a chain: block i's hash covers every byte before it. The chain is seeded
 base model) and the request's `cache_salt`, as vLLM's own block hash is, so the same text under
 another adapter or salt never matches. A partial last block is not hashed.
 
-Time is bounded by the input: at most `prefix_max_chars` of the prompt is rendered and hashed,
-whatever the request holds (a 10 MB prompt costs what its first `prefix_max_chars` cost).
+Time is bounded whatever the request holds: at most `prefix_max_chars` of the prompt, from at most
+its first 1024 messages, is rendered and hashed (a 10 MB prompt costs what its first
+`prefix_max_chars` cost).
 CRC-32 chains are cheap (one C call a block) and stable across processes; a 32-bit collision
 costs at most one misplaced request, never a failed one.
 """
@@ -18,6 +19,8 @@ import zlib
 from collections import OrderedDict
 from typing import Any, Iterable
 
+MAX_MESSAGES = 1024
+"""At most this many messages are rendered (with `prefix_max_chars`, what bounds a decision's time)."""
 _ROLE_END = "\x1f"
 _MESSAGE_END = "\x1e"
 
@@ -36,7 +39,7 @@ def render_prompt(messages: Any, limit: int) -> str:
         return ""
     out: list[str] = []
     size = 0
-    for message in messages:
+    for message in messages[:MAX_MESSAGES]:
         if size >= limit:
             break
         if not isinstance(message, dict):
@@ -45,11 +48,17 @@ def render_prompt(messages: Any, limit: int) -> str:
         piece = (role if isinstance(role, str) else "") + _ROLE_END
         out.append(piece)
         size += len(piece)
-        for text in _content_texts(message.get("content"), limit - size):
+        content = message.get("content")
+        if isinstance(content, str):  # the common case, without the generator
+            text = content[: limit - size]
             out.append(text)
             size += len(text)
-            if size >= limit:
-                break
+        else:
+            for text in _content_texts(content, limit - size):
+                out.append(text)
+                size += len(text)
+                if size >= limit:
+                    break
         out.append(_MESSAGE_END)
         size += 1
     return "".join(out)[:limit]
@@ -157,21 +166,22 @@ def prompt_prefix(messages: Any, scope: str, request_kwargs: Any, settings: Any)
     if settings.rule_set == "sglang-cache-aware":
         scope = ""  # its radix tree is per worker, not per adapter
     salt = request_salt(request_kwargs)
-    head = _first_message(messages)
-    if head is not None and 2 * block <= len(head) < limit:  # the common long prompt: a system prompt first
+    head = _first_message(messages, limit)
+    if head is not None and 2 * block <= len(head):  # the common long prompt: a system prompt first
         hashes, crc, rest = _HEADS.chain(head.encode("utf-8", "surrogatepass"), scope, salt, block)
-        tail = render_prompt(messages[1:], limit - len(head)).encode("utf-8", "surrogatepass")
+        tail = render_prompt(messages[1:MAX_MESSAGES], limit - len(head)).encode("utf-8", "surrogatepass")
         hashes += _chain(rest + tail, crc, block)[0]
     else:
         hashes = prefix_hashes(render_prompt(messages, limit), scope, salt, block)
     return hashes if len(hashes) >= settings.prefix_min_blocks else ()
 
 
-def _first_message(messages: Any) -> str | None:
-    """The first message as `render_prompt` renders it, when its content is plain text."""
+def _first_message(messages: Any, limit: int) -> str | None:
+    """The first message as `render_prompt` renders it, when its content is plain text and it fits in `limit`."""
     if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
         return None
     role, content = messages[0].get("role"), messages[0].get("content")
-    if not isinstance(content, str):
+    role = role if isinstance(role, str) else ""
+    if not isinstance(content, str) or len(role) + len(content) + 2 >= limit:  # checked before any copy
         return None
-    return (role if isinstance(role, str) else "") + _ROLE_END + content + _MESSAGE_END
+    return role + _ROLE_END + content + _MESSAGE_END

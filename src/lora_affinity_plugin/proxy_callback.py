@@ -16,6 +16,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from .discovery import install_listing
 from .fleet import FleetView
+from .memtrace import ENV, install_from_env
 from .pods import discover_pods
 from .pooling import warn_if_litellm_outlives_server_keepalive
 from .settings import Settings, load_config, settings_from_config
@@ -49,6 +50,8 @@ class ProxyPlugin(CustomLogger):
     def __init__(self) -> None:
         super().__init__()
         _configure_logging()
+        if install_from_env():
+            logger.info("tracemalloc on: SIGUSR1 writes a snapshot (%s)", ENV)
         self._settings: Settings | None = None
         self._fleet: FleetView | None = None
         self._scraper_task: asyncio.Task | None = None

@@ -14,6 +14,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=1, help="fast mode: seeds per strategy (medians reported)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--minutes", type=float, default=2.0, help="soak: how long to run")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
+                        help="a plugin setting for the plugin's strategies in this run (repeatable), e.g. "
+                             "--set queue_threshold_critical=0")
+    parser.add_argument("--trace", action="store_true",
+                        help="soak: a third proxy with tracemalloc attributes memory growth (the plugin's vs the rest)")
     parser.add_argument("--rate", type=float, default=None,
                         help="Poisson arrivals per second (soak: default 20; shared-prefix/multi-turn: one rate)")
     parser.add_argument("--rates", help="shared-prefix/multi-turn: comma-separated rates to sweep (default: the scenario's)")

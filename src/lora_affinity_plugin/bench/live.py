@@ -48,6 +48,19 @@ LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random
 DEFAULT_SPEED = 10.0
 
 
+def bench_overrides(args: argparse.Namespace) -> dict:
+    """`--set NAME=VALUE` words, validated as plugin settings (a bad one stops the run with its reason)."""
+    from ..live_settings import parse_assignments
+    from ..settings import SettingsError, build_settings
+
+    values = parse_assignments(getattr(args, "settings", None) or [])
+    try:
+        build_settings(values, environ={})
+    except SettingsError as exc:
+        raise SystemExit(f"--set: {exc}") from None
+    return values
+
+
 def plugin_settings(speed: float, overrides: dict) -> dict:
     return {
         "scrape_interval_ms": max(20, round(200 / speed)),
@@ -63,11 +76,13 @@ class Fleet:
     """A simulated fleet plus the gateways for one strategy; stops everything on exit."""
 
     def __init__(self, scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
-                 workdir: Path, config_path: Path | None = None, lora_info_style: str = "legacy") -> None:
+                 workdir: Path, config_path: Path | None = None, lora_info_style: str = "legacy",
+                 overrides: dict | None = None) -> None:
         self.scenario, self.strategy, self.speed, self.gateways = scenario, strategy, speed, gateways
         self.seed, self.redis_port, self.workdir = seed, redis_port, workdir
         self.config_path = config_path
         self.lora_info_style = lora_info_style
+        self.overrides = overrides or {}
         self.procs: list[Proc] = []
         self.base_port = 0
         self.proxy_ports: list[int] = []
@@ -142,7 +157,7 @@ class Fleet:
             config["litellm_settings"]["callbacks"] = ["lora_affinity_plugin.strategy.proxy_plugin"]
             section = config.setdefault("lora_affinity", {})
             section.pop("redis_url", None)  # LORA_AFFINITY_REDIS_URL points at this run's Redis
-            section.update(plugin_settings(self.speed, PLUGIN_RULES[self.strategy]))
+            section.update(plugin_settings(self.speed, {**PLUGIN_RULES[self.strategy], **self.overrides}))
         else:
             config["litellm_settings"].pop("callbacks", None)
             config.pop("lora_affinity", None)
@@ -178,10 +193,12 @@ class Fleet:
 
 def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
                  workdir: Path, bar: tqdm | None = None, config_path: Path | None = None,
-                 after_load: Callable[[Fleet, Result], None] | None = None, lora_info_style: str = "legacy") -> Result:
+                 after_load: Callable[[Fleet, Result], None] | None = None, lora_info_style: str = "legacy",
+                 overrides: dict | None = None) -> Result:
     if strategy not in LIVE_STRATEGIES:
         raise SystemExit(f"strategy {strategy!r} runs in fast mode only; live: {', '.join(sorted(LIVE_STRATEGIES))}")
-    with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path, lora_info_style) as fleet:
+    with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path, lora_info_style,
+               overrides) as fleet:
         if bar is not None:
             bar.set_description(strategy)
         probe = fleet.transport_probe()
@@ -218,7 +235,7 @@ def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace
             for style in styles:
                 for strategy in strategies:
                     result = run_strategy(scenario, strategy, speed, gateways, args.seed, redis_port, workdir, bar,
-                                          lora_info_style=style)
+                                          lora_info_style=style, overrides=bench_overrides(args))
                     if len(styles) > 1:
                         result.strategy += f" [{style}]"
                     results.append(result)

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from .latency import median_latency, rates_of
+from .live import bench_overrides
 from .results import Result, refusal, write_json
 from .scenarios import at_rate, get_scenario
 
@@ -24,8 +25,10 @@ def run_overload(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else STRATEGIES
     rates = rates_of(args, scenario)
     base = rates[0]
+    overrides = bench_overrides(args)
     print(f"scenario overload: {scenario.description}; {scenario.replicas} replicas; {scenario.duration_s:.0f} s of "
-          f"arrivals per rate; mode {args.mode}; rates {rates} req/s")
+          f"arrivals per rate; mode {args.mode}; rates {rates} req/s"
+          + (f"; plugin settings {overrides}" if overrides else "; the plugin's default settings"))
     results: list[Result] = []
     for rate in rates:
         at = at_rate(scenario, rate)
@@ -33,7 +36,8 @@ def run_overload(args: argparse.Namespace) -> int:
             from ..sim.fast import run_fast
 
             for strategy in strategies:
-                runs = [run_fast(at, strategy, seed=s) for s in range(args.seed, args.seed + max(1, args.seeds))]
+                runs = [run_fast(at, strategy, seed=s, overrides=overrides)
+                        for s in range(args.seed, args.seed + max(1, args.seeds))]
                 merged = median_latency(runs)
                 merged.classes = {name: median_latency([r.classes[name] for r in runs]) for name in runs[0].classes}
                 merged.shed = sorted(r.shed for r in runs)[len(runs) // 2]
