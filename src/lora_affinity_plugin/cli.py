@@ -125,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown everything
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        if code:
+            from .processes import keep_scratch
+
+            keep_scratch()  # a run that reports a failure keeps its logs for whoever looks into it
+        return code
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

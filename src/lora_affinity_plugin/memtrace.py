@@ -24,5 +24,5 @@ def install_from_env() -> bool:
         signal.signal(signal.SIGUSR1, lambda *_: tracemalloc.take_snapshot().dump(f"{prefix}.{next(_COUNTER)}.snap"))
     except ValueError:  # not the main thread: no signal handler, no tracing
         return False
-    tracemalloc.start(8)
+    tracemalloc.start(1)  # one frame: attribution by file is all a soak needs, and deeper traces slow the proxy
     return True

@@ -201,6 +201,12 @@ def scratch_dir(prefix: str) -> Path:
     return path
 
 
+def keep_scratch() -> None:
+    """Keep this run's scratch folders at exit (and name them on stderr)."""
+    global _KEEP_SCRATCH
+    _KEEP_SCRATCH = True
+
+
 def _remove_scratch() -> None:
     keep = _KEEP_SCRATCH or os.environ.get("LORA_AFFINITY_KEEP_LOGS") == "1"
     for path in _SCRATCH:
