@@ -18,6 +18,9 @@ import aiohttp
 
 from ..sim.fast import Request, workload
 from .results import RequestOutcome
+
+CLIENT_KEEPALIVE_S = 4.0
+"""Below the proxy's (uvicorn's) 5 s: a request written on a connection the proxy is closing gets a reset."""
 from .scenarios import SEED_PROMPT, Scenario
 
 
@@ -87,7 +90,7 @@ async def run_load(scenario: Scenario, targets: list[str], speed: float, seed: i
                 on_done()
             queue.task_done()
 
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=CLIENT_KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         feeder = asyncio.create_task(feed())

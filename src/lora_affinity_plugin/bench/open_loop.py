@@ -14,6 +14,7 @@ import time
 
 import aiohttp
 
+from .loadgen import CLIENT_KEEPALIVE_S
 from .prefix_workloads import PrefixWorkload, PromptRequest
 from .results import RequestOutcome
 
@@ -81,7 +82,7 @@ async def run_open_loop(workload: PrefixWorkload, targets: list[str], speed: flo
         return RequestOutcome(None, True, tokens, (first - created) * speed if first else None,
                               (end - created) * speed, itl_s=itl, sheddable=req.sheddable), "".join(reply)
 
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         for req in workload.initial():
             schedule(session, req)
