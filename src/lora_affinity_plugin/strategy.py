@@ -47,7 +47,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         """The file and environment; live values from Redis are applied on top."""
         self.settings = settings
         self._per_group: dict[str, Settings] = {}
-        self._tried: OrderedDict[str, set[str]] = OrderedDict()
+        self._tried: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         """Pods already chosen per litellm_call_id (the same across LiteLLM's retries of one request)."""
         self.follower: Follower | None = None
         self.fleet = fleet or FleetView(settings)
@@ -162,7 +162,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if request.prefix_hashes:
             self.fleet.note_prefix(decision.pod, request.prefix_hashes, now)
         if call_id:
-            self._tried.setdefault(call_id, set()).add(decision.pod)
+            tried_pods = self._tried.get(call_id, ())
+            if decision.pod not in tried_pods:  # a tuple: most calls are tried once (a set costs 216 bytes)
+                self._tried[call_id] = (*tried_pods, decision.pod)
             self._tried.move_to_end(call_id)
             if len(self._tried) > _TRIED_CALLS:
                 self._tried.popitem(last=False)
