@@ -73,8 +73,6 @@ class Follower:
         """Other processes sharing in-flight tables, as of the last refresh."""
         self.stream_id = "0-0"
         """The last prefix-stream entry read: peers' index entries after it are new."""
-        self.prefix_bytes_written = 0
-        self.prefix_bytes_read = 0
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
 
     async def run(self) -> None:
@@ -135,25 +133,22 @@ class Follower:
         if served != self.served_models:
             self.fleet.serve(served)  # what gateways deal over the pods to agree on placements
         self.served_models = served
-        self._follow_prefixes(stream, len(entries))
+        self._follow_prefixes(stream)
         self.fleet.maintain(time.time())
         own = self.process.encode()
         self.peers = [m.decode() for m in members if m != own] if sharing else []
         if records:
             SNAPSHOT_AGE.set(max(r.age_s() for r in records.values()))
 
-    def _follow_prefixes(self, stream: list, written: int) -> None:
+    def _follow_prefixes(self, stream: list) -> None:
         """Peers' new index entries into ours (our own come back too: skipped)."""
-        self.prefix_bytes_written += written
         own = self.process.encode()
         for entry_id, fields in stream:
             self.stream_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             values = dict(zip(fields[::2], fields[1::2]))
             if values.get(b"p") == own:
                 continue
-            raw = values.get(b"e", b"")
-            self.prefix_bytes_read += len(raw)
-            for pod, at, hashes in decode_entries(raw):
+            for pod, at, hashes in decode_entries(values.get(b"e", b"")):
                 self.fleet.prefixes.add(pod, hashes, at, share=False)
 
     def _sweep(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -101,16 +102,19 @@ def _run(scenario, strategies: list[str], args: argparse.Namespace, gateways: in
     return run_live(scenario, strategies, args, gateways)
 
 
-def _run_fast(scenario, strategies: list[str], args: argparse.Namespace, gateways: int) -> list[Result]:
+def _run_fast(scenario, strategies: list[str], args: argparse.Namespace, gateways: int,
+              merge: Callable[[list[Result]], Result] = median_result, desc: str = "fast mode",
+              overrides: dict | None = None) -> list[Result]:
+    """Each strategy over --seeds seeds in fast mode, merged into one row by `merge`."""
     from ..sim.fast import run_fast
 
     seeds = range(args.seed, args.seed + max(1, args.seeds))
     results = []
-    with tqdm(total=len(strategies) * len(seeds), desc="fast mode", unit="run", leave=False) as bar:
+    with tqdm(total=len(strategies) * len(seeds), desc=desc, unit="run", leave=False) as bar:
         for strategy in strategies:
             runs = []
             for seed in seeds:
-                runs.append(run_fast(scenario, strategy, seed=seed, gateways=gateways))
+                runs.append(run_fast(scenario, strategy, seed=seed, gateways=gateways, overrides=overrides))
                 bar.update()
-            results.append(median_result(runs))
+            results.append(merge(runs))
     return results

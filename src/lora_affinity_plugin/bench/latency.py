@@ -13,8 +13,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 from ..sim.policies import PREFIX_STRATEGIES
 from .results import Result, refusal, write_json
 from .scenarios import Scenario, at_rate, get_scenario
@@ -74,19 +72,10 @@ def _with_duration(scenario: Scenario, seconds: float) -> Scenario:
 
 
 def _run_fast(scenario: Scenario, strategies: list[str], args: argparse.Namespace) -> list[Result]:
-    from ..sim.fast import run_fast
+    from .compare import _run_fast as run_seeds
 
-    seeds = range(args.seed, args.seed + max(1, args.seeds))
-    out = []
-    with tqdm(total=len(strategies) * len(seeds), desc=f"rate {scenario.arrival_rate:g}", unit="run",
-              leave=False) as bar:
-        for strategy in strategies:
-            runs = []
-            for seed in seeds:
-                runs.append(run_fast(scenario, strategy, seed=seed, gateways=args.gateways))
-                bar.update()
-            out.append(median_latency(runs))
-    return out
+    return run_seeds(scenario, strategies, args, args.gateways, merge=median_latency,
+                     desc=f"rate {scenario.arrival_rate:g}")
 
 
 def _run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace) -> list[Result]:
@@ -96,7 +85,7 @@ def _run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespac
 
 
 def median_latency(runs: list[Result]) -> Result:
-    """Each figure's median over seeds."""
+    """Each figure's median over seeds (per criticality class too, when the runs have them)."""
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
@@ -108,12 +97,14 @@ def median_latency(runs: list[Result]) -> Result:
         keys = getattr(first, name).keys()
         return {k: med(lambda r, k=k: getattr(r, name).get(k, 0.0)) for k in keys}
 
+    classes = {name: median_latency([r.classes[name] for r in runs]) for name in first.classes}
     return Result(
         strategy=first.strategy, scenario=first.scenario, mode=first.mode, completed=int(med(lambda r: r.completed)),
         timeouts=int(med(lambda r: r.timeouts)), errors=int(med(lambda r: r.errors)),
         duration_s=med(lambda r: r.duration_s), output_tokens=int(med(lambda r: r.output_tokens)),
         ttft_s=pct("ttft_s"), e2e_s=pct("e2e_s"), itl_s=pct("itl_s"), per_replica=first.per_replica,
-        seeds=len(runs), hit_rate=med(lambda r: r.hit_rate or 0.0), rate=first.rate, shed=int(med(lambda r: r.shed)))
+        seeds=len(runs), hit_rate=med(lambda r: r.hit_rate or 0.0), rate=first.rate, shed=int(med(lambda r: r.shed)),
+        classes=classes)
 
 
 def format_latency_table(results: list[Result]) -> str:

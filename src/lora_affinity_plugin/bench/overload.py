@@ -33,15 +33,10 @@ def run_overload(args: argparse.Namespace) -> int:
     for rate in rates:
         at = at_rate(scenario, rate)
         if args.mode == "fast":
-            from ..sim.fast import run_fast
+            from .compare import _run_fast as run_seeds
 
-            for strategy in strategies:
-                runs = [run_fast(at, strategy, seed=s, overrides=overrides)
-                        for s in range(args.seed, args.seed + max(1, args.seeds))]
-                merged = median_latency(runs)
-                merged.classes = {name: median_latency([r.classes[name] for r in runs]) for name in runs[0].classes}
-                merged.shed = sorted(r.shed for r in runs)[len(runs) // 2]
-                results.append(merged)
+            results += run_seeds(at, strategies, args, 1, merge=median_latency, desc=f"{rate / base:g}x",
+                                 overrides=overrides)
         else:
             from .live import run_live
 

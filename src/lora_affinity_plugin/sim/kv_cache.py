@@ -139,7 +139,3 @@ class BlockPool:
         for _ in range(max(0, blocks - uncached)):
             self._free_cached.popitem(last=False)  # the block is reused: its prefix is gone
         self.free -= blocks
-
-    @property
-    def cached_blocks(self) -> int:
-        return len(self._in_use) + len(self._free_cached)
