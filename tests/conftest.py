@@ -14,7 +14,13 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-_OURS = ("redis-server", "litellm", "lora_affinity_plugin", "lora-affinity", "page_server", "fake_pods")
+_OURS = ("redis-server", "litellm", "lora_affinity_plugin", "lora-affinity", "page_server", "fake_pods", "hosted_api")
+
+
+def _is_a_test_runner(argv: list[str]) -> bool:
+    """pytest itself (`pytest ...`, `python -m pytest ...`), not the processes it starts with pytest's tmp paths."""
+    head = [Path(arg).name for arg in argv[:3]]
+    return any(name.startswith("pytest") or name == "py.test" for name in head[:2]) or head[1:3] == ["-m", "pytest"]
 
 
 def _our_processes() -> dict[int, str]:
@@ -24,10 +30,11 @@ def _our_processes() -> dict[int, str]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any(name in cmdline for name in _OURS) and "pytest" not in cmdline:
+        cmdline = " ".join(argv).strip()
+        if any(name in cmdline for name in _OURS) and not _is_a_test_runner(argv):
             found[int(entry.name)] = cmdline[:160]
     return found
 

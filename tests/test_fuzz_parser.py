@@ -65,7 +65,18 @@ def test_scraper_marks_only_the_bad_pod(garbage, status):
 
     good_record, bad = asyncio.run(run())
     assert good_record.ok and good_record.metrics.num_requests_running == 2
-    assert bad.ok or bad.error  # either the bytes happen to be a valid page, or the pod carries a reason
+    if status != 200:
+        assert not bad.ok and bad.error == f"HTTP {status} from /bad/metrics", bad.error
+        return
+    if len(garbage) > 1024:
+        assert not bad.ok and bad.error == "page larger than max_page_bytes=1024", bad.error
+        return
+    try:  # what the pod's record must say is what the parser says of the same bytes
+        expected = parse_metrics(garbage.decode("utf-8", errors="replace"))
+    except MetricsPageError as exc:
+        assert not bad.ok and bad.error == str(exc)
+    else:
+        assert bad.ok and bad.metrics == expected
 
 
 def test_a_page_of_many_megabytes_is_refused_without_reading_it_all():

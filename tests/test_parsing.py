@@ -186,3 +186,25 @@ def test_a_deployment_naming_an_unknown_engine_is_refused_with_the_choices():
         pod_engines(model_list, "vllm")
     model_list[0]["model_info"] = {"engine": "sglang"}
     assert pod_engines(model_list, "vllm") == {"http://a:8000": "sglang"}
+
+
+@pytest.mark.parametrize("line", [
+    'vllm:cache_config_info{block_size="1e200",num_gpu_blocks="1e200"} 1.0',
+    'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e15"} 1.0',
+    'vllm:cache_config_info{block_size="99999999",num_gpu_blocks="100"} 1.0',
+    'vllm:lora_requests_info{max_lora="1e30",running_lora_adapters="",waiting_lora_adapters=""} 1.0',
+])
+def test_numbers_that_size_things_are_bounded_and_name_the_field(line):
+    page = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n" + line + "\n"
+    with pytest.raises(MetricsPageError, match="is larger than"):
+        parse_metrics(page)
+
+
+def test_an_index_is_bounded_whatever_a_record_from_redis_says():
+    from lora_affinity_plugin.fleet import FleetView
+    from lora_affinity_plugin.prefix_index import MAX_CAPACITY
+    from lora_affinity_plugin.settings import build_settings
+
+    fleet = FleetView(build_settings({}, environ={}))
+    fleet._size_index("http://pod-a:8000", 10**200, 10**200)  # no OverflowError
+    assert fleet.prefixes.capacity("http://pod-a:8000") == MAX_CAPACITY

@@ -5,6 +5,8 @@ One place for it, so the rest of the code reads as if there were one LiteLLM.
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 
 def aiohttp_transport_enabled() -> bool:
     """Whether LiteLLM sends upstream calls over aiohttp (its default) rather than httpx.
@@ -16,3 +18,88 @@ def aiohttp_transport_enabled() -> bool:
     check = getattr(AsyncHTTPHandler, "should_use_aiohttp_transport", None) or getattr(
         AsyncHTTPHandler, "_should_use_aiohttp_transport")
     return bool(check())
+
+
+def litellm_async_http_client() -> Any:
+    """The HTTP client LiteLLM builds for an OpenAI SDK client: its transport, TLS, proxy and pool settings.
+
+    Kept and reused by the plugin, it pools connections; LiteLLM builds one per text completion.
+    """
+    from litellm.llms.openai.common_utils import BaseOpenAILLM
+
+    return BaseOpenAILLM._get_async_http_client()
+
+
+def build_async_openai_client(*, api_key: str, api_base: str, timeout: Any, max_retries: int, http_client: Any) -> Any:
+    """An `AsyncOpenAI` client as LiteLLM's text-completion handler builds it.
+
+    1.108+ builds it with `workload_identity.build_async_openai_client`; 1.94-1.107 call `AsyncOpenAI`
+    with the same arguments. Neither passes the deployment's `organization` on this path (the SDK reads
+    OPENAI_ORG_ID), so neither does the plugin.
+    """
+    try:
+        from litellm.llms.openai.workload_identity import build_async_openai_client as build
+    except ImportError:
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(api_key=api_key, base_url=api_base, timeout=timeout, max_retries=max_retries,
+                           organization=None, http_client=http_client)
+    return build(api_key=api_key, api_base=api_base, timeout=timeout, max_retries=max_retries, organization=None,
+                 static_key_http_client_factory=lambda: http_client)
+
+
+def uses_workload_identity(kwargs: Mapping[str, Any]) -> bool:
+    """Whether LiteLLM would authenticate this call with workload identity (1.108+) instead of a static key."""
+    try:
+        from litellm.llms.openai.workload_identity import resolve_openai_workload_identity_config
+    except ImportError:
+        return False
+    return resolve_openai_workload_identity_config(api_key=kwargs.get("api_key"), api_base=kwargs.get("api_base"),
+                                                   litellm_params=kwargs) is not None
+
+
+def resolve_text_completion_api_key(kwargs: Mapping[str, Any]) -> str | None:
+    """The key LiteLLM sends on a text completion: the provider's resolution (explicit, `HOSTED_VLLM_API_KEY`...),
+    then `litellm.api_key`, `litellm.openai_key`, `OPENAI_API_KEY` (`_complete_text_completion_openai`)."""
+    import litellm
+    from litellm.secret_managers.main import get_secret_str
+
+    api_key = kwargs.get("api_key")
+    _, _, dynamic_api_key, _ = litellm.get_llm_provider(
+        model=str(kwargs.get("model", "")), custom_llm_provider=kwargs.get("custom_llm_provider"),
+        api_base=kwargs.get("api_base"), api_key=api_key)
+    if dynamic_api_key is not None:
+        api_key = dynamic_api_key
+    return api_key or litellm.api_key or litellm.openai_key or get_secret_str("OPENAI_API_KEY")
+
+
+async def models_a_caller_may_call(scope: dict, names: frozenset[str], router: Any) -> list[str]:
+    """Of `names`, those the caller of this HTTP request may call, by LiteLLM's own auth and model checks."""
+    from litellm.proxy.auth.user_api_key_auth import user_api_key_auth
+    from starlette.requests import Request
+
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    try:
+        token = await user_api_key_auth(
+            request=Request(scope), api_key=headers.get("authorization", ""),
+            azure_api_key_header=headers.get("api-key"), anthropic_api_key_header=headers.get("x-api-key"),
+            google_ai_studio_api_key_header=headers.get("x-goog-api-key"),
+            azure_apim_header=headers.get("ocp-apim-subscription-key"), custom_litellm_key_header=None)
+    except Exception:  # LiteLLM refuses the caller: it answers the listing itself
+        return []
+    return [name for name in sorted(names) if await token_may_call(token, name, router)]
+
+
+async def token_may_call(token: Any, model: str, router: Any) -> bool:
+    """LiteLLM's checks for a request to `model`: the key's models (access groups, wildcards), then its team's."""
+    from litellm.proxy._types import LiteLLM_TeamTable
+    from litellm.proxy.auth.auth_checks import can_key_call_model, can_team_access_model
+
+    try:
+        await can_key_call_model(model=model, llm_model_list=router.model_list, valid_token=token, llm_router=router)
+        if getattr(token, "team_id", None):
+            team = LiteLLM_TeamTable(team_id=token.team_id, models=list(getattr(token, "team_models", None) or []))
+            await can_team_access_model(model=model, team_object=team, llm_router=router)
+    except Exception:
+        return False
+    return True

@@ -6,8 +6,9 @@ discover models there. So the scraper reads every pod's `/v1/models` at a slow c
 union in Redis (`{prefix}:served_models`); each proxy reads it in its refresh round trip, and the
 listing routes add the names their caller does not see yet.
 
-Who sees them: a caller whose listing already holds every named model group of the router (an
-unrestricted key); a key limited to some models gets LiteLLM's answer unchanged.
+Who sees which: only the names the caller may call, by LiteLLM's own checks for the caller's key
+(its models, its team's models, access groups, wildcards such as `sql-*`); a master key sees all.
+The host adapter supplies that check (`proxy_callback.py`); a caller it cannot authorize sees none.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def decode_served(raw: bytes | str | None) -> frozenset[str]:
     return frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
 
 
-def merge_listing(body: bytes, served: Iterable[str], named_groups: Iterable[str]) -> bytes | None:
-    """The listing with the served names its caller lacks added, or None to leave it as it is."""
+def merge_listing(body: bytes, served: Iterable[str]) -> bytes | None:
+    """The listing with the served names (already filtered to what its caller may call) it lacks, or None."""
     try:
         listing = json.loads(body)
     except ValueError:
@@ -55,8 +56,6 @@ def merge_listing(body: bytes, served: Iterable[str], named_groups: Iterable[str
     if not isinstance(data, list) or listing.get("object") != "list":
         return None  # another shape (Anthropic's, Codex's catalog): not ours to change
     present = {item.get("id") for item in data if isinstance(item, dict)}
-    if not set(named_groups) <= present:
-        return None  # a key limited to some models
     missing = sorted(set(served) - present)
     if not missing:
         return None
@@ -66,10 +65,11 @@ def merge_listing(body: bytes, served: Iterable[str], named_groups: Iterable[str
 
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+Callable_ = Callable[[dict, frozenset[str]], Awaitable[Iterable[str]]]
+"""(the request's ASGI scope, names) -> the names its caller may call."""
 
 
-def listing_with_served(app: ASGIApp, served: Callable[[], Iterable[str]],
-                        named_groups: Callable[[], Iterable[str]]) -> ASGIApp:
+def listing_with_served(app: ASGIApp, served: Callable[[], Iterable[str]], callable_by: Callable_) -> ASGIApp:
     """Wraps the host's ASGI app: LiteLLM answers a listing (auth, filters, shapes), then the served names are added."""
 
     async def wrapped(scope: dict, receive, send) -> None:
@@ -86,7 +86,7 @@ def listing_with_served(app: ASGIApp, served: Callable[[], Iterable[str]],
             elif message["type"] == "http.response.body":
                 body.extend(message.get("body", b""))
                 if not message.get("more_body"):
-                    await _send(send, start, bytes(body), served, named_groups)
+                    await _send(send, start, bytes(body), scope, served, callable_by)
             else:
                 await send(message)
 
@@ -96,11 +96,12 @@ def listing_with_served(app: ASGIApp, served: Callable[[], Iterable[str]],
     return wrapped
 
 
-async def _send(send, start: dict | None, body: bytes, served, named_groups) -> None:
+async def _send(send, start: dict | None, body: bytes, scope: dict, served, callable_by: Callable_) -> None:
     merged = None
     if start is not None and start.get("status") == 200:
         try:
-            merged = merge_listing(body, served(), named_groups())
+            names = frozenset(served())
+            merged = merge_listing(body, await callable_by(scope, names)) if names else None
         except Exception:  # the host's answer goes out unchanged rather than not at all
             logger.exception("lora-affinity could not add the fleet's models to the listing")
     if start is not None:
@@ -112,7 +113,7 @@ async def _send(send, start: dict | None, body: bytes, served, named_groups) -> 
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def install_listing(app: Any, served: Callable[[], Iterable[str]], named_groups: Callable[[], Iterable[str]]) -> bool:
+def install_listing(app: Any, served: Callable[[], Iterable[str]], callable_by: Callable_) -> bool:
     """Wrap the proxy's ASGI stack once it is built (its first request builds it); True once wrapped.
 
     An ASGI wrapper in front of the host's own middleware, acting only on GET of the listing paths:
@@ -122,5 +123,5 @@ def install_listing(app: Any, served: Callable[[], Iterable[str]], named_groups:
     if stack is None:
         return False
     if not getattr(stack, "__lora_affinity_listing__", False):
-        app.middleware_stack = listing_with_served(stack, served, named_groups)
+        app.middleware_stack = listing_with_served(stack, served, callable_by)
     return True

@@ -80,9 +80,10 @@ class FleetView:
                                lag_s=self.settings.dispatch_lag_ms / 1000)
 
     def _size_index(self, pod: str, num_gpu_blocks: int | None, block_size: int | None) -> None:
-        if num_gpu_blocks and block_size:
-            chars = num_gpu_blocks * block_size * self.settings.prefix_chars_per_token
-            self.prefixes.set_capacity(pod, int(chars // self.settings.prefix_block_chars))
+        if num_gpu_blocks and block_size:  # records from Redis may come from any scraper: bounded here too
+            tokens = min(int(num_gpu_blocks), 1 << 31) * min(int(block_size), 1 << 16)
+            self.prefixes.set_capacity(pod, int(tokens * self.settings.prefix_chars_per_token
+                                                // self.settings.prefix_block_chars))
 
     def maintain(self, now: float) -> None:
         """Once per refresh: settings may have changed the TTL; unused entries expire."""

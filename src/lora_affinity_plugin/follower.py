@@ -41,8 +41,8 @@ from .metrics import (
     SNAPSHOT_AGE,
 )
 from .prefix_index import (
+    SHARE_ENTRIES_PER_PROCESS,
     SHARE_MAX_BLOCKS,
-    SHARE_READ_COUNT,
     SHARE_STREAM_LENGTH,
     decode_entries,
     encode_entries,
@@ -51,6 +51,28 @@ from .settings import Settings, SettingsError
 from .store import connect, decode_records, pod_key
 
 logger = logging.getLogger("lora_affinity")
+
+
+MIN_REDIS = (5, 0)
+"""Streams (the shared prefix index) arrived in Redis 5.0; everything else the plugin uses is older."""
+
+
+async def check_redis_version(client, settings: Settings) -> tuple[int, ...] | None:
+    """Log the server's version once, and an error naming what is needed when it is too old."""
+    try:
+        info = await client.info("server")
+        found = str(info.get("redis_version") or info.get("valkey_version") or "")
+        version = tuple(int(part) for part in found.split(".")[:2] if part.isdigit())
+    except Exception as exc:  # unreachable now (the refresh reports it), or INFO not permitted to this user
+        logger.info("could not read the Redis server's version (%s); it needs %d.%d or newer",
+                    type(exc).__name__, *MIN_REDIS)
+        return None
+    if version and version < MIN_REDIS:
+        logger.error("Redis at %s is %s; lora-affinity needs %d.%d or newer (streams): routing stays at the "
+                     "fallback until it is upgraded", settings.redacted_redis_url(), found, *MIN_REDIS)
+    else:
+        logger.info("Redis at %s is version %s", settings.redacted_redis_url(), found or "unknown")
+    return version
 
 
 class Follower:
@@ -74,6 +96,7 @@ class Follower:
         self.stream_id = "0-0"
         """The last prefix-stream entry read: peers' index entries after it are new."""
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
+        self._refresh_failing = Episode(logger, "lora-affinity could not apply a refresh from Redis; the last view stays")
 
     async def run(self) -> None:
         client = connect(self.base)
@@ -81,7 +104,15 @@ class Follower:
         try:
             await self._seed(client)
             while True:
-                await self.refresh(client)
+                try:
+                    await self.refresh(client)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # bad data in one refresh must not stop the next one
+                    self._refresh_failing.fail(f"{type(exc).__name__}: {exc}")
+                    logger.debug("refresh failed", exc_info=True)
+                else:
+                    self._refresh_failing.recover()
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.settings.scrape_interval_ms / 1000)
                 except asyncio.TimeoutError:
@@ -92,7 +123,8 @@ class Follower:
             await client.aclose()
 
     async def _seed(self, client) -> None:
-        """The file's values become the live copy when Redis has none yet."""
+        """The file's values become the live copy when Redis has none yet; says which Redis it found."""
+        await check_redis_version(client, self.base)
         try:
             await client.set(settings_key(self.base.key_prefix),
                              LiveCopy(1, live_values(self.base), 0.0, "seeded from config").to_json(), nx=True)
@@ -117,7 +149,7 @@ class Follower:
             members, raws, stream = await client.eval(
                 REFRESH_SCRIPT, 3 + len(reads), members_key(prefix), inflight_key(prefix, self.process),
                 prefix_stream_key(prefix), *reads, self.process, table, ttl_ms, entries,
-                self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH, SHARE_READ_COUNT)
+                self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH, SHARE_ENTRIES_PER_PROCESS)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

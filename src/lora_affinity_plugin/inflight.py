@@ -131,7 +131,8 @@ def members_key(prefix: str) -> str:
 # One round trip per refresh. KEYS: members zset, own table, the prefix stream, then keys to read
 # (settings, pod records, peers' tables), all declared so a Cluster routes the call by their hash tag.
 # ARGV: process id, own table ('' = not sharing), table ttl ms, own prefix entries ('' = none),
-# last stream id read ('' = not reading), stream length kept, stream entries read.
+# last stream id read ('' = not reading; read inclusively and skipped, so Redis 5 serves it), the stream's
+# least length, entries kept per member process.
 REFRESH_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -140,12 +141,16 @@ if ARGV[2] ~= '' then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local keep = math.max(tonumber(ARGV[6]), tonumber(ARGV[7]) * redis.call('ZCARD', KEYS[1]))
 if ARGV[4] ~= '' then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'p', ARGV[1], 'e', ARGV[4])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', keep, '*', 'p', ARGV[1], 'e', ARGV[4])
 end
 local stream = {}
 if ARGV[5] ~= '' then
-  stream = redis.call('XRANGE', KEYS[3], '(' .. ARGV[5], '+', 'COUNT', ARGV[7])
+  stream = redis.call('XRANGE', KEYS[3], ARGV[5], '+', 'COUNT', keep + 1)
+  if #stream > 0 and stream[1][1] == ARGV[5] then
+    table.remove(stream, 1)
+  end
 end
 local values = {}
 for i = 4, #KEYS do

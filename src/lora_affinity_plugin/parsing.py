@@ -20,6 +20,10 @@ _WANTED = {name: (*p.families, *((_LORA_INFO, _LORA_LOADED) if p.adapter_names e
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _MAX_QUEUE = 10_000_000
+# Upper bounds for the numbers that size things: a page beyond them is refused (that pod marked bad).
+_MAX_BLOCK_SIZE = 1 << 16  # tokens per KV block (vLLM: 16-256)
+_MAX_GPU_BLOCKS = 1 << 31  # KV blocks per pod
+_MAX_LORA = 1024  # GPU adapter slots
 
 
 class MetricsPageError(ValueError):
@@ -69,13 +73,18 @@ def _count(name: str, value: float) -> int:
     return int(value)
 
 
-def _int_label(labels: dict[str, str], key: str) -> int | None:
+def _int_label(labels: dict[str, str], key: str, limit: int) -> int | None:
+    """A non-negative integer label; None when absent or not a number; MetricsPageError above `limit`."""
     raw = labels.get(key, "")
     try:
-        value = int(float(raw))
-    except (ValueError, OverflowError):
+        value = float(raw)
+    except ValueError:
         return None
-    return value if value >= 0 else None
+    if not math.isfinite(value) or value < 0:
+        return None
+    if value > limit:
+        raise MetricsPageError(f"{key}: {raw!r} is larger than {limit}")
+    return int(value)
 
 
 def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
@@ -116,12 +125,12 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
             if math.isfinite(value) and (lora_latest is None or value > lora_latest[0]):
                 lora_latest = (value, labels)
         elif name == profile.cache_config:
-            block_size = _int_label(labels, profile.block_size_label)
-            num_gpu_blocks = _int_label(labels, profile.num_blocks_label)
+            block_size = _int_label(labels, profile.block_size_label, _MAX_BLOCK_SIZE)
+            num_gpu_blocks = _int_label(labels, profile.num_blocks_label, _MAX_GPU_BLOCKS)
         elif name == profile.block_size_metric:
-            block_size = _gauge_int(value)
+            block_size = _gauge_int(name, value, _MAX_BLOCK_SIZE)
         elif name == profile.num_blocks_metric:
-            num_gpu_blocks = _gauge_int(value)
+            num_gpu_blocks = _gauge_int(name, value, _MAX_GPU_BLOCKS)
         elif name == _LORA_LOADED:
             # In a GPU slot, or pinned (vLLM keeps a pinned adapter loaded whatever the LRU says).
             resident = labels.get("level", "gpu") == "gpu" or labels.get("pinned", "").lower() == "true"
@@ -136,7 +145,7 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
 
     lora = lora_latest[1] if lora_latest else {}
     # Since vLLM PR #26801 both adapter lists name every active adapter; running | waiting stays right.
-    max_lora = _int_label(lora, "max_lora")
+    max_lora = _int_label(lora, "max_lora", _MAX_LORA)
     kv_values = next((kv[n] for n in profile.kv_usage if n in kv), {})  # the newer name, when a page has both
     return PodMetrics(
         num_requests_waiting=sum(waiting.values()),
@@ -154,5 +163,9 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
     )
 
 
-def _gauge_int(value: float) -> int | None:
-    return int(value) if math.isfinite(value) and 0 <= value < 2**40 else None
+def _gauge_int(name: str, value: float, limit: int) -> int | None:
+    if not math.isfinite(value) or value < 0:
+        return None
+    if value > limit:
+        raise MetricsPageError(f"{name}: {value!r} is larger than {limit}")
+    return int(value)

@@ -1,18 +1,21 @@
-"""Pooled upstream connections: one connection pool per worker process, reused for every pod.
+"""Pooled upstream connections for the text completions the plugin routes, and nothing else.
 
-Why this exists: LiteLLM 1.108 sends `/v1/completions` for OpenAI-compatible servers (`hosted_vllm/`,
-`openai/`) through `OpenAITextCompletion`, which builds a new `AsyncOpenAI` client, and with it a new
-HTTP client and connection pool, for every call unless it is handed one. The router hands one over
-only when its cache holds `{model_id}_async_client` (or `_stream_async_client`), and nothing in the
-proxy fills that slot. So every text completion opens a TCP connection to the pod and leaves an
-aiohttp session to the garbage collector ("Unclosed client session"). Chat completions of
-`hosted_vllm/` already share a pool (`get_async_httpx_client`); they ignore an OpenAI client.
+Why this exists: LiteLLM sends `/v1/completions` for OpenAI-compatible servers (`hosted_vllm/`,
+`openai/`, `text-completion-openai/`) through `OpenAITextCompletion`, which builds a new `AsyncOpenAI`
+client, and with it a new HTTP client and connection pool, for every call it is not handed one. So
+every text completion opens a TCP connection to the pod. Chat completions already share a pool.
 
-`PooledClients` fills the router's slot for the deployments it routes: per deployment an `AsyncOpenAI`
-client, all over one HTTP client on LiteLLM's own transport (aiohttp, or httpx when
-`DISABLE_AIOHTTP_TRANSPORT` is set), so each worker process keeps one pool of connections per pod.
-Its idle connections close before the model server would close them (see `_shared_http`). A stream the client abandons is closed by LiteLLM's stream wrapper, which
-closes its upstream response: an unfinished connection is dropped, never returned to the pool.
+How, without changing what LiteLLM would do:
+- Only a text completion sent to a pod of a model group the plugin routes gets a client, in LiteLLM's
+  `async_pre_call_deployment_hook`, which runs after the router has resolved the call's timeout,
+  retries and credentials and before the upstream call. Nothing goes into the router's cache (LiteLLM
+  sizes it for its own cooldowns, rpm counters and semaphores), and every other call is untouched.
+- The client is the one LiteLLM would build for this call (its own builder where the release has one,
+  the same key resolution, timeout and retries); only its HTTP client differs: one per event loop,
+  built by LiteLLM's own factory, so TLS (`ssl_verify`, `SSL_CERT_FILE`), proxies (`AIOHTTP_TRUST_ENV`),
+  `force_ipv4`, socket keep-alive, DNS caching and idle timeout (`AIOHTTP_KEEPALIVE_TIMEOUT`) are LiteLLM's.
+- A call whose settings the plugin cannot reproduce (workload identity, a key LiteLLM could not resolve
+  either, a client already given) is left to LiteLLM, and said once per deployment.
 """
 
 from __future__ import annotations
@@ -21,141 +24,153 @@ import asyncio
 import functools
 import hashlib
 import logging
+from collections import OrderedDict
 from typing import Any, Mapping
 
 import httpx
-import litellm
 
-from .compat import aiohttp_transport_enabled
+from . import compat
 from .episodes import Episode
-from .pods import _resolve_env
 
 logger = logging.getLogger("lora_affinity")
 
 POOLED_PROVIDERS = frozenset({"hosted_vllm", "openai", "text-completion-openai"})
 """Providers whose text completions go through `OpenAITextCompletion` and accept an OpenAI client."""
-_CLIENT_TTL_S = 24 * 3600
-"""The router's cache expires entries; every decision puts a missing one back."""
+_MAX_CLIENTS = 1024
+"""OpenAI clients kept per loop (one per pod, key, timeout and retries seen); the least recently used go."""
+_MAX_NOTED = 4096
 
 
 class PooledClients:
-    """Per deployment, an OpenAI client over one shared pool; placed in the router's client slot."""
+    """Per call, the OpenAI client LiteLLM would build, over one shared connection pool per event loop."""
 
-    def __init__(self, keepalive_ms: int = 4_000) -> None:
-        self.keepalive_ms = keepalive_ms
+    def __init__(self) -> None:
         self._http: httpx.AsyncClient | None = None
-        self._session: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._clients: dict[tuple, Any] = {}
-        self.installed = 0
-        """How many times a client was put into the router's cache (first use and after expiry)."""
-        self._failing = Episode(logger, "lora-affinity could not install a pooled client; LiteLLM builds its own")
+        self._clients: OrderedDict[tuple, Any] = OrderedDict()
+        self._left_to_litellm: OrderedDict[str, None] = OrderedDict()
+        self.handed = 0
+        """Calls given a pooled client."""
+        self._failing = Episode(logger, "lora-affinity could not hand a pooled client; LiteLLM builds its own")
 
-    def ensure(self, router: Any, deployment: Mapping[str, Any]) -> None:
-        """Make sure the router will hand `deployment`'s calls the pooled client. Never raises."""
+    def client_for(self, kwargs: Mapping[str, Any]) -> Any | None:
+        """The pooled client for one text completion's final kwargs, or None to leave it to LiteLLM. Never raises."""
         try:
-            self._ensure(router, deployment)
+            client = self._client_for(kwargs)
         except Exception as exc:  # pooling is an optimisation: LiteLLM's own path still serves the call
-            self._failing.fail(f"{type(exc).__name__}: {exc}")  # logged once per episode, not per request
-        else:
-            self._failing.recover()
-
-    def _ensure(self, router: Any, deployment: Mapping[str, Any]) -> None:
-        model_id = (deployment.get("model_info") or {}).get("id")
-        params = deployment.get("litellm_params") or {}
-        if model_id is None or _provider(params) not in POOLED_PROVIDERS:
-            return
-        cache = getattr(getattr(router, "cache", None), "in_memory_cache", None)
-        if cache is None:
-            return
-        self._bind_to_running_loop()
-        for stream, suffix in ((False, "_async_client"), (True, "_stream_async_client")):
-            key = f"{model_id}{suffix}"
-            if cache.get_cache(key) is None:
-                cache.set_cache(key, self._client(params, stream), ttl=_CLIENT_TTL_S)
-                self.installed += 1
-
-    def _bind_to_running_loop(self) -> None:
-        """Clients belong to one event loop: a new loop (a `Router` user's `asyncio.run`) gets new ones."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._loop, self._http, self._session, self._clients = loop, None, None, {}
-
-    def _client(self, params: Mapping[str, Any], stream: bool) -> Any:
-        from openai import AsyncOpenAI
-
-        api_base = str(_resolve_env(params.get("api_base")) or "")
-        api_key = str(_resolve_env(params.get("api_key")) or "none")
-        timeout = _timeout(params, stream)
-        key = (api_base, hashlib.sha256(api_key.encode()).hexdigest(), timeout)
-        client = self._clients.get(key)
-        if client is None:
-            # max_retries=0: the router retries (and the strategy then avoids the pod that failed).
-            client = self._clients[key] = AsyncOpenAI(api_key=api_key, base_url=api_base, timeout=timeout,
-                                                      max_retries=0, http_client=self._shared_http())
+            self._failing.fail(f"{type(exc).__name__}: {exc}")  # once per episode, not per request
+            return None
+        self._failing.recover()
+        if client is not None:
+            self.handed += 1
         return client
 
+    def _client_for(self, kwargs: Mapping[str, Any]) -> Any | None:
+        if kwargs.get("client") is not None:
+            return None  # the caller chose one
+        params = _ClientParams.of(kwargs)
+        if isinstance(params, str):
+            self._leave_to_litellm(kwargs, params)
+            return None
+        self._bind_to_running_loop()
+        key = params.cache_key()
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = compat.build_async_openai_client(
+                api_key=params.api_key, api_base=params.api_base, timeout=params.timeout,
+                max_retries=params.max_retries, http_client=self._shared_http())
+            if len(self._clients) > _MAX_CLIENTS:
+                self._clients.popitem(last=False)  # the SDK client holds no connections: the pool does
+        else:
+            self._clients.move_to_end(key)
+        return client
+
+    def _leave_to_litellm(self, kwargs: Mapping[str, Any], why: str) -> None:
+        model_id = str((kwargs.get("model_info") or {}).get("id") or kwargs.get("api_base"))
+        if model_id not in self._left_to_litellm:
+            self._left_to_litellm[model_id] = None
+            if len(self._left_to_litellm) > _MAX_NOTED:
+                self._left_to_litellm.popitem(last=False)
+            logger.info("lora-affinity leaves text completions of deployment %s to LiteLLM's own client: %s",
+                        model_id, why)
+
+    def _bind_to_running_loop(self) -> None:
+        """Clients belong to one event loop: a new loop (a `Router` user's next `asyncio.run`) gets new ones."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            old, self._http = self._http, None
+            self._loop, self._clients = loop, OrderedDict()
+            if old is not None:
+                _close_detached(old)
+
     def _shared_http(self) -> httpx.AsyncClient:
-        """One HTTP client for every pod, on LiteLLM's transport, closing idle connections before the server does.
-
-        Model servers close a connection idle for 5 s (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvicorn's
-        default); a pool that keeps it longer (LiteLLM's shared session: 15 s) sometimes sends a request
-        on a connection the server is closing, and that request fails ("Cannot write to closing transport").
-        """
         if self._http is None:
-            from litellm.llms.openai.common_utils import BaseOpenAILLM
-
-            keepalive_s = self.keepalive_ms / 1000
-            if aiohttp_transport_enabled():
-                import aiohttp
-
-                self._session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
-                    cookie_jar=aiohttp.DummyCookieJar())
-                self._http = BaseOpenAILLM._get_async_http_client(shared_session=self._session)
-            else:  # DISABLE_AIOHTTP_TRANSPORT: httpx, as LiteLLM would build it, with the shorter keep-alive
-                self._http = httpx.AsyncClient(
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
-                                        keepalive_expiry=keepalive_s), follow_redirects=True)
-            logger.info("pooled upstream connections: %s, idle ones closed after %.1f s",
-                        "aiohttp" if self._session is not None else "httpx", keepalive_s)
+            self._http = compat.litellm_async_http_client()
+            logger.info("pooled upstream connections for text completions on LiteLLM's transport")
         return self._http
 
     async def aclose(self) -> None:
-        """At shutdown (the proxy offers no hook for it; `litellm.Router` users call it)."""
-        http, session = self._http, self._session
-        self._http, self._session, self._clients = None, None, {}
-        if http is not None and http is not litellm.aclient_session:  # never close the user's own client
+        """Close the pool (the proxy offers no shutdown hook; `litellm.Router` users call it)."""
+        http, self._http, self._clients = self._http, None, OrderedDict()
+        if http is not None:
             await http.aclose()
-        if session is not None:
-            await session.close()
 
 
-def _provider(params: Mapping[str, Any]) -> str:
+class _ClientParams:
+    """What LiteLLM passes its OpenAI client for one text completion, resolved as LiteLLM resolves it."""
+
+    __slots__ = ("api_base", "api_key", "timeout", "max_retries")
+
+    def __init__(self, api_base: str, api_key: str, timeout: Any, max_retries: int) -> None:
+        self.api_base, self.api_key, self.timeout, self.max_retries = api_base, api_key, timeout, max_retries
+
+    @classmethod
+    def of(cls, kwargs: Mapping[str, Any]) -> _ClientParams | str:
+        """The parameters, or why the plugin cannot reproduce LiteLLM's client for this call."""
+        api_base = kwargs.get("api_base")
+        if not api_base:
+            return "no api_base"
+        if compat.uses_workload_identity(kwargs):
+            return "workload identity credentials"
+        api_key = compat.resolve_text_completion_api_key(kwargs)
+        if not api_key:
+            return "no API key resolvable (LiteLLM reports the error itself)"
+        timeout = kwargs.get("timeout")
+        if timeout is None:
+            return "no timeout resolved by the router"
+        if isinstance(timeout, str):
+            timeout = float(timeout)
+        max_retries = kwargs.get("max_retries")
+        return cls(str(api_base), str(api_key), timeout, 2 if max_retries is None else int(max_retries))
+
+    def cache_key(self) -> tuple:
+        timeout = self.timeout if isinstance(self.timeout, (int, float)) else repr(self.timeout)
+        return (self.api_base, hashlib.sha256(self.api_key.encode()).hexdigest(), timeout, self.max_retries)
+
+
+def _close_detached(http: httpx.AsyncClient) -> None:
+    """A client of a previous loop: close it there if that loop still runs, else let LiteLLM's transport dispose of it."""
+    try:
+        asyncio.get_running_loop().create_task(http.aclose())
+    except Exception:  # a transport bound to a closed loop: nothing left to flush
+        pass
+
+
+def provider_of(params: Mapping[str, Any]) -> str:
     explicit = params.get("custom_llm_provider")
     return str(explicit) if explicit else str(params.get("model", "")).partition("/")[0]
 
 
-def _timeout(params: Mapping[str, Any], stream: bool) -> float | None:
-    """What LiteLLM would pass per call: the deployment's (stream_)timeout, else the proxy's request_timeout."""
-    for name in (("stream_timeout", "timeout") if stream else ("timeout",)):
-        value = _resolve_env(params.get(name))
-        if value is not None:
-            return float(value)
-    value = getattr(litellm, "request_timeout", None)
-    return float(value) if value else None
-
-
 @functools.lru_cache(maxsize=None)  # once per process
-def warn_if_litellm_outlives_server_keepalive(keepalive_ms: int) -> None:
-    """LiteLLM's own pool (chat completions of `hosted_vllm/`) keeps idle connections AIOHTTP_KEEPALIVE_TIMEOUT."""
+def warn_if_litellm_outlives_server_keepalive(server_keepalive_s: float = 5.0) -> None:
+    """LiteLLM keeps idle upstream connections AIOHTTP_KEEPALIVE_TIMEOUT (15 s); vLLM closes them after 5 s."""
     try:
         from litellm.constants import AIOHTTP_KEEPALIVE_TIMEOUT
 
-        if aiohttp_transport_enabled() and AIOHTTP_KEEPALIVE_TIMEOUT * 1000 > keepalive_ms:
-            logger.warning("LiteLLM keeps idle upstream connections %s s (AIOHTTP_KEEPALIVE_TIMEOUT), longer than "
-                           "vLLM's 5 s keep-alive: a chat request may meet a connection the server is closing. "
-                           "Set AIOHTTP_KEEPALIVE_TIMEOUT=%d in the proxy's environment.",
-                           AIOHTTP_KEEPALIVE_TIMEOUT, keepalive_ms // 1000)
+        if compat.aiohttp_transport_enabled() and AIOHTTP_KEEPALIVE_TIMEOUT >= server_keepalive_s:
+            logger.warning("LiteLLM keeps idle upstream connections %s s (AIOHTTP_KEEPALIVE_TIMEOUT), not less than "
+                           "vLLM's 5 s keep-alive: a request may meet a connection the server is closing. "
+                           "Set AIOHTTP_KEEPALIVE_TIMEOUT=4 in the proxy's environment.", AIOHTTP_KEEPALIVE_TIMEOUT)
     except Exception:  # a release without these names: nothing to say
         pass
+

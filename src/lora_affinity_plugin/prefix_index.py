@@ -17,6 +17,8 @@ from typing import Collection, Iterator, Mapping, Sequence
 
 DEFAULT_CAPACITY = 4096
 """Blocks per pod when the pod does not report its cache size."""
+MAX_CAPACITY = 1 << 20
+"""Blocks per pod whatever it reports (~190 MB per pod at most; 100,000 GPU blocks need ~25,000)."""
 
 
 class PrefixIndex:
@@ -89,7 +91,7 @@ class PrefixIndex:
 
     # --- background side ----------------------------------------------------------------------
     def set_capacity(self, pod: str, blocks: int) -> None:
-        self._capacity[pod] = max(1, blocks)
+        self._capacity[pod] = min(MAX_CAPACITY, max(1, blocks))
 
     def expire(self, now: float) -> int:
         """Drop entries unused for `ttl_s`; returns how many went."""
@@ -169,9 +171,11 @@ class _Sizes(Mapping[str, int]):
 SHARE_MAX_BLOCKS = 4096
 """Blocks one process shares per refresh (newest kept): at most ~22 KB written per refresh."""
 SHARE_STREAM_LENGTH = 256
-"""Entries the Redis stream keeps (approximately): bounds its memory at ~256 x 22 KB = 5.6 MB."""
-SHARE_READ_COUNT = 32
-"""Entries a process reads per refresh; a newcomer catches up on the stream's history in a few refreshes."""
+"""Entries the Redis stream keeps at least (approximately); with more processes, SHARE_ENTRIES_PER_PROCESS each."""
+SHARE_ENTRIES_PER_PROCESS = 4
+"""The stream keeps max(256, 4 x processes) entries and a refresh reads every new one: each process writes at
+most one entry per refresh, so a peer's entry is read by every process that refreshes within 4 intervals, at
+any replica count (memory: ~22 KB per kept entry at most)."""
 
 
 def encode_entries(entries: list[tuple[str, float, list[int]]]) -> str:

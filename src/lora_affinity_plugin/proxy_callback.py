@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from litellm.integrations.custom_logger import CustomLogger
 
+from .compat import models_a_caller_may_call
 from .discovery import install_listing
 from .fleet import FleetView
 from .memtrace import ENV, install_from_env
@@ -92,15 +93,17 @@ class ProxyPlugin(CustomLogger):
             return None
         strategy = installed_strategy(router)
         if strategy is None:
-            if self._strategy is not None:
-                self._strategy.stop()  # the router was rebuilt or reset: one refresher at a time
-            strategy = self._strategy = install(router, self.settings(), fleet=self._fleet, hooks_end_calls=True)
+            previous = self._strategy
+            if previous is not None:
+                previous.stop()  # the router was rebuilt or reset: one refresher at a time, one pool
+            strategy = self._strategy = install(router, self.settings(), fleet=self._fleet, hooks_end_calls=True,
+                                                pools=previous.pools if previous is not None else None)
             logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
                         self.settings().redacted_redis_url())
-            warn_if_litellm_outlives_server_keepalive(self.settings().upstream_keepalive_ms)
+            warn_if_litellm_outlives_server_keepalive()
         if not self._listing_installed:  # the proxy adds its routes during start-up: look until they are there
             app = getattr(proxy_server, "app", None)
-            if app is not None and install_listing(app, self._served_models, self._named_groups):
+            if app is not None and install_listing(app, self._served_models, self._callable_by):
                 self._listing_installed = True
                 logger.info("lora-affinity adds the fleet's models to /v1/models")
         return strategy
@@ -111,9 +114,9 @@ class ProxyPlugin(CustomLogger):
             return frozenset()
         return strategy.follower.served_models
 
-    def _named_groups(self) -> list[str]:
+    async def _callable_by(self, scope: dict, names: frozenset[str]) -> list[str]:
         router = self._strategy.router if self._strategy is not None else None
-        return [d.get("model_name", "") for d in (router.model_list if router else []) if "*" not in d.get("model_name", "")]
+        return await models_a_caller_may_call(scope, names, router) if router is not None else []
 
     async def _watch(self) -> None:
         while True:
@@ -132,15 +135,22 @@ class ProxyPlugin(CustomLogger):
 
     # --- in-flight accounting: one count per call id, ended exactly once ----------------------------
     async def async_pre_call_deployment_hook(self, kwargs, call_type):
+        strategy = self._strategy
+        if strategy is None:
+            return None
         try:
-            call_id, strategy = kwargs.get("litellm_call_id"), self._strategy
-            if call_id and strategy is not None:
+            call_id = kwargs.get("litellm_call_id")
+            if call_id:
                 pod = strategy.pod_of(kwargs)
                 if pod is not None:
                     strategy.fleet.note_dispatch(pod, None, time.time(), call_id)
         except Exception:
             logger.exception("lora-affinity could not count a request in flight")
-        return None
+        client = strategy.pooled_client(kwargs, call_type)
+        if client is None:
+            return None
+        kwargs["client"] = client
+        return kwargs
 
     async def async_post_call_success_deployment_hook(self, request_data, response, call_type):
         if not request_data.get("stream"):  # a stream has only started here; its iterator ends it

@@ -7,6 +7,7 @@ Validation happens once, here; the rest of the code trusts a `Settings` instance
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -105,9 +106,7 @@ class Settings(BaseModel):
     default_engine: Literal["vllm", "sglang", "trtllm"] = "vllm"
     """The model server of pods whose deployments name none (`model_info: {engine: sglang}`)."""
     pooled_clients: bool = True
-    """Hand LiteLLM one pooled upstream client per deployment (it opens a connection per text completion otherwise)."""
-    upstream_keepalive_ms: int = Field(4_000, ge=100, le=300_000)
-    """Pooled connections idle this long are closed: keep it below the model servers' keep-alive (vLLM: 5 s)."""
+    """Hand text completions to the pods the plugin routes a client over one pool (LiteLLM opens a connection per call)."""
     adapter_info_key: str = "lora_adapter"
 
     # Routing for KV reuse (prefix_index.py): what each pod's cache should already hold.
@@ -176,7 +175,7 @@ class Settings(BaseModel):
 
 # Settings an operator may change at run time (`lora-affinity thresholds set`); the rest need a restart.
 RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
-                          "adapter_info_key", "metrics_bearer_token", "upstream_keepalive_ms"})
+                          "adapter_info_key", "metrics_bearer_token"})
 LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 
@@ -220,12 +219,24 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
 def build_settings(section: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Settings:
     """Validate a `lora_affinity:` mapping plus environment overrides into Settings."""
     env = dict(os.environ if environ is None else environ)
-    raw = {key: _resolve_env_refs(value, env) for key, value in (section or {}).items()}
+    raw = {key: _resolve_env_refs(value, env) for key, value in (section or {}).items() if not _retired(key)}
     raw.update(_env_overrides(env))
     try:
         return Settings.model_validate(raw)
     except ValidationError as exc:
         raise SettingsError(describe_validation_error(exc, raw)) from None
+
+
+RETIRED = {"upstream_keepalive_ms": "pooled connections use LiteLLM's transport: set AIOHTTP_KEEPALIVE_TIMEOUT "
+                                   "(seconds, below the model servers' 5 s) in the proxy's environment"}
+"""Settings that once existed: ignored with a warning, so an old config still starts."""
+
+
+def _retired(name: str) -> bool:
+    if name in RETIRED:
+        logging.getLogger("lora_affinity").warning("lora_affinity.%s is no longer used: %s", name, RETIRED[name])
+        return True
+    return False
 
 
 def describe_validation_error(exc: ValidationError, raw: dict[str, Any]) -> str:

@@ -18,10 +18,12 @@ import fnmatch
 import logging
 import random
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Mapping
 
 import litellm
+from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
 from .episodes import Episode
@@ -29,12 +31,14 @@ from .fleet import FleetView
 from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
-from .pooling import PooledClients
+from .pooling import POOLED_PROVIDERS, PooledClients, provider_of
 from .scheduling import NoCapacity, Shed, choose_pod
 from .settings import Settings, build_settings
 
 logger = logging.getLogger("lora_affinity")
 _TRIED_CALLS = 4096
+_NAMES_CACHED = 4096
+"""Requested model names remembered (wildcards let callers send any name): least recently used go."""
 
 
 class LoraAffinityStrategy(CustomRoutingStrategyBase):
@@ -53,8 +57,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.fleet = fleet or FleetView(settings)
         self.rng = rng or random.Random()
         self._index = _DeploymentIndex()
-        self.pools = PooledClients(settings.upstream_keepalive_ms)
-        self._fallback = Episode(logger, "routing by metrics unavailable, picking like simple-shuffle")
+        self.pools = PooledClients()
+        self._fallbacks: OrderedDict[str, Episode] = OrderedDict()
+        """One episode per model group: a broken group and a healthy one do not make each other's log flap."""
         self._refresher: asyncio.Task | None = None
         self.decisions = 0
         self.fallbacks = 0
@@ -71,11 +76,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         request_kwargs: dict | None = None,
     ) -> dict:
         self.ensure_refresher()
-        deployment = await self._route(model, messages, input, specific_deployment,
-                                       request_kwargs if request_kwargs is not None else {})
-        if self.settings.pooled_clients:
-            self.pools.ensure(self.router, deployment)
-        return deployment
+        return await self._route(model, messages, input, specific_deployment,
+                                 request_kwargs if request_kwargs is not None else {})
 
     async def _route(self, model: str, messages, input, specific_deployment, request_kwargs: dict) -> dict:
         if not self._manages(model):
@@ -116,14 +118,16 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             raise litellm.ServiceUnavailableError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
         except Exception as exc:  # a plugin bug must never fail a request
             logger.exception("lora-affinity decision failed; falling back")
-            self._fallback.fail(f"{type(exc).__name__}")
+            self._fallback(model).fail(f"{type(exc).__name__}")
             FALLBACKS.labels("error").inc()
             deployment = None
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if deployment is None:
             self.fallbacks += 1
             return healthy[self.rng.randrange(len(healthy))]
-        self._fallback.recover()
+        episode = self._fallbacks.get(model)
+        if episode is not None:
+            episode.recover()
         return deployment
 
     def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any) -> dict | None:
@@ -143,7 +147,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if tried:  # a retry: LiteLLM offers the pod that just failed again; go elsewhere if we can
             candidates = [c for c in candidates if c.key not in tried] or candidates
         if not candidates:
-            self._fallback.fail("no fresh metrics for the healthy deployments of " + repr(model))
+            self._fallback(model).fail("no fresh metrics for its healthy deployments")
             FALLBACKS.labels("no_metrics").inc()
             return None
         first = by_pod[candidates[0].key]
@@ -172,6 +176,20 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         DECISIONS.labels(decision.branch).inc()
         return by_pod[decision.pod]
 
+    def pooled_client(self, call_kwargs: Mapping[str, Any], call_type: Any) -> Any | None:
+        """A pooled client for a text completion to a pod this strategy routes; None leaves the call to LiteLLM.
+
+        Called from LiteLLM's pre-call deployment hook, with the call's final timeout and credentials.
+        """
+        if not self.settings.pooled_clients or str(getattr(call_type, "value", call_type)) != "atext_completion":
+            return None
+        info = call_kwargs.get("model_info")
+        if not isinstance(info, Mapping) or info.get("id") not in self._index.pods_by_id:
+            return None  # a deployment the plugin does not route: LiteLLM's, untouched
+        if provider_of(call_kwargs) not in POOLED_PROVIDERS:
+            return None
+        return self.pools.client_for(call_kwargs)
+
     def pod_of(self, call_kwargs: Mapping[str, Any]) -> str | None:
         """The pod a call's kwargs (as LiteLLM's deployment hooks see them) are sent to."""
         info = call_kwargs.get("model_info") or {}
@@ -180,6 +198,15 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             params = call_kwargs.get("litellm_params") or {"api_base": call_kwargs.get("api_base")}
             pod = deployment_pod({"litellm_params": params})
         return pod
+
+    def _fallback(self, model: str) -> Episode:
+        episode = self._fallbacks.get(model)
+        if episode is None:
+            episode = self._fallbacks[model] = Episode(
+                logger, f"routing by metrics unavailable for {model!r}, picking like simple-shuffle")
+            if len(self._fallbacks) > _NAMES_CACHED:
+                self._fallbacks.popitem(last=False)
+        return episode
 
     def _group_settings(self, model: str) -> Settings:
         if model not in self.settings.model_group_overrides:
@@ -226,6 +253,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.fleet.settings = settings
 
     def stop(self) -> None:
+        """Stop refreshing; the pool stays open for the calls still using it (the next strategy reuses it)."""
         if self._refresher is not None:
             self._refresher.cancel()
 
@@ -236,7 +264,7 @@ class _DeploymentIndex:
     def __init__(self) -> None:
         self.pods_by_id: dict[str, str] = {}
         """model_info.id -> pod (the router hands out copies of its deployment dicts)."""
-        self._pods_by_model: dict[str, list[str]] = {}
+        self._pods_by_model: OrderedDict[str, list[str]] = OrderedDict()
         self._list_id: tuple[int, int] = (0, 0)
 
     def pod(self, deployment: Mapping[str, Any]) -> str | None:
@@ -257,17 +285,49 @@ class _DeploymentIndex:
             exact = [d for d in model_list if d.get("model_name") == model]
             matching = exact or [d for d in model_list if is_wildcard(d) and fnmatch.fnmatchcase(model, d["model_name"])]
             pods = self._pods_by_model[model] = [p for p in map(deployment_pod, matching) if p]
+            if len(self._pods_by_model) > _NAMES_CACHED:
+                self._pods_by_model.popitem(last=False)
         return pods
 
 
 def install(router: litellm.Router, settings: Settings | None = None, *, rng: random.Random | None = None,
-            fleet: FleetView | None = None, hooks_end_calls: bool = False) -> LoraAffinityStrategy:
+            fleet: FleetView | None = None, hooks_end_calls: bool = False,
+            pools: PooledClients | None = None) -> LoraAffinityStrategy:
     """Install the strategy on a `litellm.Router`; returns it. Call again after a router is rebuilt."""
     strategy = LoraAffinityStrategy(router, settings or build_settings({}), rng=rng, fleet=fleet,
                                     hooks_end_calls=hooks_end_calls)
+    previous = installed_strategy(router)
+    if previous is not None:
+        previous.stop()
+        pools = pools or previous.pools
+    if pools is not None:
+        strategy.pools = pools  # one pool per process: calls in flight keep their connections
     router.set_custom_routing_strategy(strategy)
+    if not hooks_end_calls:  # a `litellm.Router` user: our hook hands routed text completions a pooled client
+        _ROUTER_USER_HOOK.strategies[router] = strategy
+        if _ROUTER_USER_HOOK not in litellm.callbacks:
+            litellm.callbacks.append(_ROUTER_USER_HOOK)
     strategy.ensure_refresher()
     return strategy
+
+
+class _RouterUserHook(CustomLogger):
+    """For `install()` outside the proxy (whose callback does this itself): pooled clients per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strategies: weakref.WeakKeyDictionary[Any, LoraAffinityStrategy] = weakref.WeakKeyDictionary()
+
+    async def async_pre_call_deployment_hook(self, kwargs, call_type):
+        for strategy in list(self.strategies.values()):
+            client = strategy.pooled_client(kwargs, call_type)
+            if client is not None:
+                kwargs["client"] = client
+                return kwargs
+        return None
+
+
+_ROUTER_USER_HOOK = _RouterUserHook()
 
 
 def installed_strategy(router: Any) -> LoraAffinityStrategy | None:

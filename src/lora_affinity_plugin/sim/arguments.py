@@ -20,6 +20,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-adapters", help="comma-separated adapters already loaded (GPU slots filled round-robin)")
     parser.add_argument("--base-model", default="meta-llama/Llama-2-7b-hf")
     parser.add_argument("--metrics-token", help="require `Authorization: Bearer TOKEN` on /metrics")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 (vLLM's --api-key)")
     parser.add_argument("--min-output-tokens", type=int, default=1, help="floor of the drawn output length")
     parser.add_argument("--mean-output-tokens", type=float, default=580.0,
                         help="mean of the drawn output length (exponential, capped by max_tokens)")

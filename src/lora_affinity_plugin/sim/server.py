@@ -141,11 +141,20 @@ class LiveReplica:
             self._wake.set()
 
 
-def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = None) -> Starlette:
+def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = None,
+             api_key: str | None = None) -> Starlette:
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
 
+    def refused(request: Request) -> JSONResponse | None:
+        """vLLM's `--api-key`: every /v1 route wants `Authorization: Bearer KEY`."""
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return None
+
     async def completions(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
         replica.connections.request_started()
         try:
             response = await _completions(request)
@@ -230,7 +239,9 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
             replica.release(seq)  # a disconnect mid-stream aborts the request
             replica.connections.request_ended()
 
-    async def models(_: Request):
+    async def models(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
         names = [base_model, *sorted(replica.adapters or replica.engine.cpu)]
         return JSONResponse({"object": "list", "data": [{"id": n, "object": "model", "owned_by": "sim"} for n in names]})
 
@@ -271,7 +282,7 @@ def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
 async def serve(args: argparse.Namespace) -> None:
     replicas = build_replicas(args)
     servers = [
-        uvicorn.Server(uvicorn.Config(make_app(rep, args.base_model, args.metrics_token), host=args.host, port=args.base_port + i,
+        uvicorn.Server(uvicorn.Config(make_app(rep, args.base_model, args.metrics_token, args.api_key), host=args.host, port=args.base_port + i,
                                       http=counting_protocol(rep.connections), timeout_keep_alive=args.keep_alive_s,
                                       log_level="warning", access_log=False, timeout_graceful_shutdown=1))
         for i, rep in enumerate(replicas)

@@ -1,0 +1,119 @@
+"""The plugin in somebody else's proxy: what it does not route behaves as in LiteLLM alone (issue 18).
+
+Real processes: redis-server, simulated vLLM pods that want an API key (vLLM's `--api-key`, the key
+only in the proxy's environment as HOSTED_VLLM_API_KEY), a hosted OpenAI-compatible API that is not a
+pod (`openai/` deployments with no api_base, reached through OPENAI_BASE_URL with OPENAI_API_KEY, one of
+them with a 1 s timeout), the scraper, and two `litellm --config` proxies on the same config and
+environment, one with the plugin and one without. LiteLLM's default retries and timeouts: nothing set.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, litellm_proxy, lora_affinity, redis_server, wait_port
+
+POD_KEY, HOSTED_KEY = "pod-s3cret", "sk-hosted-s3cret"
+ADAPTERS = ["sql-lora", "tweet-summary"]
+
+
+def config(pods: list[int], redis_port: int, plugin: bool) -> dict:
+    model_list = [{"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": f"http://127.0.0.1:{p}/v1"}}
+                  for p in pods]
+    model_list += [{"model_name": "gpt-4o", "litellm_params": {"model": "openai/gpt-4o"}},
+                   {"model_name": "slow-4o", "litellm_params": {"model": "openai/slow-4o", "timeout": 1}}]
+    cfg: dict = {"model_list": model_list, "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY"}}
+    if plugin:
+        cfg["litellm_settings"] = {"callbacks": ["lora_affinity_plugin.strategy.proxy_plugin"]}
+        cfg["lora_affinity"] = {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "scrape_interval_ms": 100}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp: Path = tmp_path_factory.mktemp("host")
+    base = free_port_range(2)
+    redis_port, hosted_port, with_port, without_port = (
+        next(p for p in iter(free_port, None) if p not in (base, base + 1)) for _ in range(4))
+    env = child_env(HOSTED_VLLM_API_KEY=POD_KEY, OPENAI_API_KEY=HOSTED_KEY,
+                    OPENAI_BASE_URL=f"http://127.0.0.1:{hosted_port}/v1")
+    procs: list[Proc] = []
+    store = redis_server(redis_port, tmp)
+    try:
+        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
+                                  "--base-port", str(base), "--speed", "1", "--warm-adapters", ",".join(ADAPTERS),
+                                  "--api-key", POD_KEY], tmp))
+        procs.append(Proc("hosted_api", [sys.executable, str(Path(__file__).with_name("hosted_api.py")),
+                                         str(hosted_port), HOSTED_KEY], tmp))
+        for port in (base, base + 1, hosted_port):
+            wait_port(port)
+        paths = {}
+        for name, plugin in (("with", True), ("without", False)):
+            paths[name] = tmp / f"{name}.yaml"
+            paths[name].write_text(yaml.safe_dump(config([base, base + 1], redis_port, plugin)))
+        procs.append(lora_affinity(["scrape", "--config", str(paths["with"])], tmp, "scraper", env=env))
+        proxies = {"with": litellm_proxy(paths["with"], with_port, tmp, "proxy-with", env=env),
+                   "without": litellm_proxy(paths["without"], without_port, tmp, "proxy-without", env=env)}
+        procs += proxies.values()
+        time.sleep(0.5)
+        yield {"urls": {"with": f"http://127.0.0.1:{with_port}", "without": f"http://127.0.0.1:{without_port}"},
+               "proxies": proxies, "hosted": f"http://127.0.0.1:{hosted_port}"}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        store.stop()
+
+
+def _call(url: str, kind: str, model: str, **extra) -> tuple[int, object]:
+    """One request; returns the status and the body's shape (keys, or the streamed events' count and end)."""
+    chat = kind.startswith("chat")
+    body = {"model": model, "max_tokens": 8, "stream": kind.endswith("stream"), **extra}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", url + path, json=body, headers={"Authorization": f"Bearer {MASTER_KEY}"}) as r:
+            if not body["stream"] or r.status_code != 200:
+                r.read()
+                payload = r.json()
+                shape = sorted(payload) if r.status_code == 200 else sorted(payload.get("error", {}))
+                return r.status_code, shape
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            return r.status_code, ("stream", events[-1] if events else None, len(events) > 1)
+
+
+KINDS = ["chat", "chat-stream", "text", "text-stream"]
+
+
+def test_requests_the_plugin_does_not_route_behave_as_without_it(stack):
+    """Each non-pod request twice, so a first failure's cooldown would show as a 429 on the second."""
+    results = {}
+    for name, url in stack["urls"].items():
+        results[name] = [_call(url, kind, "gpt-4o") for kind in KINDS for _ in range(2)]
+        results[name] += [_call(url, kind, "slow-4o") for kind in ("chat", "text")]
+    assert results["with"] == results["without"], results
+    assert [status for status, _ in results["with"]] == [200] * 8 + [408, 408]
+    seen = httpx.get(stack["hosted"] + "/_control/requests").json()
+    assert seen and all(authorized for _, _, authorized in seen)  # the environment's key, every time
+
+
+def test_pods_with_a_key_from_the_environment_are_served_pooled(stack):
+    for kind in KINDS:
+        for adapter in ADAPTERS:
+            results = {name: _call(url, kind, adapter) for name, url in stack["urls"].items()}
+            assert results["with"] == results["without"] and results["with"][0] == 200, (kind, results)
+    log = stack["proxies"]["with"].log()
+    assert "leaves text completions" not in log and "could not hand a pooled client" not in log
+
+
+def test_a_request_timeout_holds_on_a_routed_text_completion(stack):
+    """0.5 s asked for, a generation of ~200 tokens at simulated speed 1 takes seconds: 408 from both."""
+    for name, url in stack["urls"].items():
+        started = time.monotonic()
+        status, _ = _call(url, "text", "sql-lora", max_tokens=400, min_tokens=400, timeout=0.5)
+        elapsed = time.monotonic() - started
+        assert status == 408 and elapsed < 2.5, (name, status, elapsed)
