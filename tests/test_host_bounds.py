@@ -96,3 +96,22 @@ def test_each_model_groups_fallback_is_its_own_episode(caplog):
         if episode is not None:
             episode.recover()
     assert caplog.text.count("unavailable for 'broken'") == 1 and "recovered" not in caplog.text
+
+
+def test_a_release_the_plugin_cannot_route_is_left_to_litellm_with_the_reason(caplog):
+    """1.94-1.108: the plugin routes. 1.110 (Rust core): install() refuses and the proxy callback installs nothing."""
+    import pytest
+
+    from lora_affinity_plugin.compat import routing_unsupported_reason
+    from lora_affinity_plugin.strategy import install
+
+    router = litellm.Router(model_list=[{"model_name": "*", "litellm_params": {
+        "model": "hosted_vllm/*", "api_base": "http://pod-a:8000/v1"}}])
+    reason = routing_unsupported_reason()
+    if hasattr(litellm.Router, "register_plugin"):
+        assert reason and "Rust core" in reason
+        with pytest.raises(RuntimeError, match="leaves routing to LiteLLM"):
+            install(router, S)
+    else:
+        assert reason is None
+        install(router, S).stop()

@@ -1,7 +1,8 @@
 """Installing the plugin into a LiteLLM environment leaves its LiteLLM release in place and adds no extras.
 
-`bash .ci/run` makes `.venv-oldest` with the oldest tested LiteLLM release; this virtual environment has
-the newest. The check asks pip what it would change (`--dry-run --report`), so nothing is modified.
+`bash .ci/run` makes `.venv-oldest` with the oldest tested LiteLLM release and `.venv-newest` with the
+newest (1.110.2, its proxy's dependencies installed by hand); this virtual environment has another.
+The check asks pip what it would change (`--dry-run --report`), so nothing is modified.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OTHER_ENV = ROOT / ".venv-oldest"
+OTHER_ENVS = [ROOT / ".venv-oldest", ROOT / ".venv-newest"]
 BENCH_ONLY = {"tqdm", "matplotlib", "fakeredis"}
 
 
@@ -24,9 +25,11 @@ def _version_in(env: Path, package: str) -> str:
                           text=True).stdout.strip()
 
 
-def test_pip_install_beside_another_litellm_release_changes_nothing_of_litellm(tmp_path):
+@pytest.mark.parametrize("other_env", OTHER_ENVS, ids=lambda p: p.name)
+def test_pip_install_beside_another_litellm_release_changes_nothing_of_litellm(tmp_path, other_env):
+    OTHER_ENV = other_env  # noqa: N806
     if not (OTHER_ENV / "bin" / "pip").exists():
-        pytest.fail(f"{OTHER_ENV} is missing: `bash .ci/run` makes it with the oldest tested LiteLLM release")
+        pytest.fail(f"{OTHER_ENV} is missing: `bash .ci/run` makes it with another tested LiteLLM release")
     theirs = _version_in(OTHER_ENV, "litellm")
     assert theirs != importlib.metadata.version("litellm"), "the other environment must hold another release"
     report = tmp_path / "report.json"

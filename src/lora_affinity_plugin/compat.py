@@ -58,19 +58,37 @@ def uses_workload_identity(kwargs: Mapping[str, Any]) -> bool:
                                                    litellm_params=kwargs) is not None
 
 
-def resolve_text_completion_api_key(kwargs: Mapping[str, Any]) -> str | None:
-    """The key LiteLLM sends on a text completion: the provider's resolution (explicit, `HOSTED_VLLM_API_KEY`...),
-    then `litellm.api_key`, `litellm.openai_key`, `OPENAI_API_KEY` (`_complete_text_completion_openai`)."""
+def resolve_text_completion_api_key(kwargs: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(provider, key) as LiteLLM resolves them for a text completion: the provider's resolution (explicit,
+    `HOSTED_VLLM_API_KEY`...), then `litellm.api_key`, `litellm.openai_key`, `OPENAI_API_KEY`."""
     import litellm
     from litellm.secret_managers.main import get_secret_str
 
     api_key = kwargs.get("api_key")
-    _, _, dynamic_api_key, _ = litellm.get_llm_provider(
+    _, provider, dynamic_api_key, _ = litellm.get_llm_provider(
         model=str(kwargs.get("model", "")), custom_llm_provider=kwargs.get("custom_llm_provider"),
         api_base=kwargs.get("api_base"), api_key=api_key)
     if dynamic_api_key is not None:
         api_key = dynamic_api_key
-    return api_key or litellm.api_key or litellm.openai_key or get_secret_str("OPENAI_API_KEY")
+    return provider, api_key or litellm.api_key or litellm.openai_key or get_secret_str("OPENAI_API_KEY")
+
+
+def resolve_timeout(kwargs: Mapping[str, Any], provider: str) -> Any:
+    """The timeout LiteLLM gives the call's OpenAI client.
+
+    1.110 resolves it in `completion()` (`CompletionTimeout`: the call's, the request's, `request_timeout`,
+    then `stream_timeout` for a live stream); before, the router's value in `kwargs["timeout"]` is final.
+    """
+    try:
+        from litellm.litellm_core_utils.completion_timeout import CompletionTimeout, StreamKind
+        from litellm.litellm_core_utils.request_timeout_resolver import get_configured_request_timeout
+        from litellm.utils import supports_httpx_timeout
+    except ImportError:
+        return kwargs.get("timeout")
+    return CompletionTimeout.resolve(
+        kwargs.get("timeout"), kwargs, provider, global_timeout=get_configured_request_timeout(),
+        supports_httpx_timeout=supports_httpx_timeout,
+        stream_kind=StreamKind.LIVE if kwargs.get("stream") is True else StreamKind.NOT_STREAMED)
 
 
 async def models_a_caller_may_call(scope: dict, names: frozenset[str], router: Any) -> list[str]:
@@ -103,3 +121,29 @@ async def token_may_call(token: Any, model: str, router: Any) -> bool:
     except Exception:
         return False
     return True
+
+
+def routing_unsupported_reason() -> str | None:
+    """Why this LiteLLM cannot run the plugin's routing, or None when it can.
+
+    1.110 routes through its Rust core (`Router.register_plugin`): a custom strategy gets every model
+    group, and the class's own pick, which 1.94-1.108 offer to hand a group back, calls the plugin again.
+    Until the plugin speaks that interface it leaves routing to LiteLLM there (requests still succeed).
+    """
+    import litellm
+
+    if hasattr(litellm.Router, "register_plugin"):
+        version = getattr(litellm, "__version__", None) or _installed_version("litellm")
+        return (f"LiteLLM {version} routes with its Rust core, which offers a custom strategy no way to hand "
+                "a model group back to LiteLLM's own routing; lora-affinity leaves routing to LiteLLM on this "
+                "release (README, Compatibility)")
+    return None
+
+
+def _installed_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"

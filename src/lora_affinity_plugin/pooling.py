@@ -132,10 +132,10 @@ class _ClientParams:
             return "no api_base"
         if compat.uses_workload_identity(kwargs):
             return "workload identity credentials"
-        api_key = compat.resolve_text_completion_api_key(kwargs)
+        provider, api_key = compat.resolve_text_completion_api_key(kwargs)
         if not api_key:
             return "no API key resolvable (LiteLLM reports the error itself)"
-        timeout = kwargs.get("timeout")
+        timeout = compat.resolve_timeout(kwargs, provider)
         if timeout is None:
             return "no timeout resolved by the router"
         if isinstance(timeout, str):

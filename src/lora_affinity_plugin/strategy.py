@@ -26,6 +26,7 @@ import litellm
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
+from .compat import routing_unsupported_reason
 from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
@@ -293,7 +294,13 @@ class _DeploymentIndex:
 def install(router: litellm.Router, settings: Settings | None = None, *, rng: random.Random | None = None,
             fleet: FleetView | None = None, hooks_end_calls: bool = False,
             pools: PooledClients | None = None) -> LoraAffinityStrategy:
-    """Install the strategy on a `litellm.Router`; returns it. Call again after a router is rebuilt."""
+    """Install the strategy on a `litellm.Router`; returns it. Call again after a router is rebuilt.
+
+    Raises RuntimeError on a LiteLLM release whose router cannot run it (`compat.routing_unsupported_reason`).
+    """
+    reason = routing_unsupported_reason()
+    if reason:
+        raise RuntimeError(reason)
     strategy = LoraAffinityStrategy(router, settings or build_settings({}), rng=rng, fleet=fleet,
                                     hooks_end_calls=hooks_end_calls)
     previous = installed_strategy(router)
