@@ -98,7 +98,7 @@ async def _load(url: str, requests: int, *, stream_share: float = 0.0, abandon_s
         # A stream to hang up on asks for a long generation: still running upstream when the proxy reads the
         # hang-up, however slowly a busy machine relays (a finished generation has nothing left to abort).
         body = {"model": ADAPTERS[i % 2], "prompt": "Is the Necronomicon in it?", "max_tokens": 600 if abandon else 30,
-                "stream": stream}
+                "stream": stream, **({"ignore_eos": True} if abandon else {})}
         async with semaphore:
             if not stream:
                 response = await client.post(url + "/v1/completions", json=body, headers=headers)

@@ -119,14 +119,14 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             raise litellm.ServiceUnavailableError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
         except Exception as exc:  # a plugin bug must never fail a request
             logger.exception("lora-affinity decision failed; falling back")
-            self._fallback(model).fail(f"{type(exc).__name__}")
+            self._fallback(_group(model, healthy)).fail(f"{type(exc).__name__}")
             FALLBACKS.labels("error").inc()
             deployment = None
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if deployment is None:
             self.fallbacks += 1
             return healthy[self.rng.randrange(len(healthy))]
-        episode = self._fallbacks.get(model)
+        episode = self._fallbacks.get(_group(model, healthy))
         if episode is not None:
             episode.recover()
         return deployment
@@ -148,7 +148,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if tried:  # a retry: LiteLLM offers the pod that just failed again; go elsewhere if we can
             candidates = [c for c in candidates if c.key not in tried] or candidates
         if not candidates:
-            self._fallback(model).fail("no fresh metrics for its healthy deployments")
+            self._fallback(_group(model, healthy)).fail("no fresh metrics for its healthy deployments")
             FALLBACKS.labels("no_metrics").inc()
             return None
         first = by_pod[candidates[0].key]
@@ -257,6 +257,11 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         """Stop refreshing; the pool stays open for the calls still using it (the next strategy reuses it)."""
         if self._refresher is not None:
             self._refresher.cancel()
+
+
+def _group(model: str, healthy: list[dict]) -> str:
+    """The model group a request falls in: its deployments' `model_name` (a wildcard's is its pattern)."""
+    return str(healthy[0].get("model_name") or model) if healthy else model
 
 
 class _DeploymentIndex:

@@ -125,8 +125,10 @@ class LiveReplica:
             del self.lora_history[:-3]
 
     def submit(self, adapter: str | None, prompt_tokens: int, max_tokens: int, hashes: tuple[int, ...] = (),
-               text: str | None = None, salt: str | None = None) -> tuple[Sequence, asyncio.Queue]:
-        seq = Sequence(uuid.uuid4().hex, adapter, prompt_tokens, self.engine.output_length(max_tokens), self.now(),
+               text: str | None = None, salt: str | None = None, exact: bool = False) -> tuple[Sequence, asyncio.Queue]:
+        """`exact` (vLLM's `ignore_eos`): generate max_tokens, not a drawn length."""
+        length = max(1, max_tokens) if exact else self.engine.output_length(max_tokens)
+        seq = Sequence(uuid.uuid4().hex, adapter, prompt_tokens, length, self.now(),
                        block_hashes=hashes, prompt_text=text, salt=salt)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[id(seq)] = queue
@@ -188,7 +190,8 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
                               f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
                               f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
         hashes = block_hashes(text, adapter, salt, replica.engine.config.block_size)
-        seq, queue = replica.submit(adapter, prompt_tokens, max_tokens, hashes, text, salt)
+        seq, queue = replica.submit(adapter, prompt_tokens, max_tokens, hashes, text, salt,
+                                    exact=bool(body.get("ignore_eos")))
         if body.get("stream"):
             return StreamingResponse(_stream(seq, queue, model, chat), media_type="text/event-stream")
         try:
