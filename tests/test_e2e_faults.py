@@ -108,12 +108,13 @@ def test_redis_restart_under_load_fails_no_request(stack):
     during = [t for t in log_times(log, "picking like simple-shuffle: no fresh metrics")
               if stack["stopped_at"] <= t <= stack["restarted_at"]]
     assert len(during) == 1  # one line for the whole outage, not one per request
-    recovered = [t for t in log_times(log, "picking like simple-shuffle: recovered") if t > stack["restarted_at"]]
-    # Measured from when this proxy could read Redis again (its reconnect takes what a loaded machine gives
-    # it): routing by metrics is back within two refresh intervals of that, the scraper's next write included.
-    readable = [t for t in log_times(log, "cannot read pod metrics from Redis") if t > stack["restarted_at"]]
-    assert recovered and readable and recovered[0] - readable[0] < 2 * INTERVAL_MS / 1000 + 0.15, (
-        recovered[:1], readable[:1], stack["restarted_at"])
+    recovered = [t for t in log_times(log, "picking like simple-shuffle: recovered") if t > stack["stopped_at"]]
+    # Measured from when this proxy could read Redis again (its second "cannot read" line, the recovery; it
+    # may come before the test's own clock reading after the restart): routing by metrics is back within two
+    # refresh intervals of that, the scraper's next write included, however slowly a loaded machine reconnects.
+    readable_at = log_times(log, "cannot read pod metrics from Redis")[-1]
+    assert recovered and recovered[0] - readable_at < 2 * INTERVAL_MS / 1000 + 0.15, (
+        recovered[:1], readable_at, stack["restarted_at"])
 
 
 def test_a_killed_replica_gets_no_new_requests_and_is_used_again_when_back(stack):

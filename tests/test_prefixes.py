@@ -262,3 +262,40 @@ def test_the_cached_head_gives_the_same_chain_as_hashing_everything(messages, bl
     for _ in range(2):  # a miss, then a hit of the head cache
         got = prompt_prefix(messages, "m", {"cache_salt": "s"}, settings)
     assert got == plain(render_prompt(messages, limit), "m", "s", block)
+
+
+# --- one decision: the adapter rules hold for every prompt (issue 17) ---------------------------------
+
+
+def test_a_long_unseen_prompt_for_a_running_adapter_stays_with_its_adapter():
+    """The previous default placed it by index size; the adapter's holder wins now, whatever the caches hold."""
+    pods = [pod("a", running=6, adapters={"sql"}), pod("b", running=2, adapters={"t1", "t2", "t3", "t4"}),
+            pod("c", running=2, adapters={"t5"})]
+    unseen = RouteRequest("sql", prefix_blocks=8, placement_key=7, prefix_sizes={"a": 900, "b": 0, "c": 10})
+    assert {choose_pod(pods, unseen, S, random.Random(seed)).pod for seed in range(20)} == {"a"}
+    v1 = build_settings({"rule_set": "lora-affinity-v1"}, environ={})
+    assert choose_pod(pods, unseen, v1, random.Random(1)).pod != "a"  # what it replaced
+
+
+def test_a_new_adapter_with_a_long_prompt_is_placed_by_the_adapter_rules_then_the_emptiest_cache():
+    pods = [pod("a", adapters={"x1", "x2", "x3"}), pod("b", adapters={"y1"}), pod("c", adapters={"z1"})]
+    unseen = RouteRequest("new", prefix_blocks=8, placement_key=7, prefix_sizes={"a": 0, "b": 500, "c": 20})
+    assert choose_pod(pods, unseen, S, random.Random(1)).pod == "c"  # fewest adapters (b, c), then the emptier cache
+
+
+def test_a_long_match_for_the_adapter_holds_a_little_beyond_the_spill_margin_but_no_further():
+    margin = S.spill_queue_margin + S.prefix_queue_margin
+    holder = pod("a", waiting=0, running=margin, adapters={"sql"}, reported=0)
+    spare = pod("b", waiting=0, running=0, adapters=set(), reported=0)
+    matched = RouteRequest("sql", prefix_blocks=8, prefix_matches={"a": 8}, placement_key=7)
+    assert choose_pod([holder, spare], matched, S, random.Random(1)).pod == "a"  # the prefill saved is worth it
+    busier = pod("a", waiting=0, running=margin + 1, adapters={"sql"}, reported=0)
+    assert choose_pod([busier, spare], matched, S, random.Random(1)).pod == "b"  # a hot adapter still spreads
+
+
+def test_a_pod_holding_the_prefix_with_a_free_slot_beats_a_holder_of_the_adapter_without_it():
+    holder = pod("a", running=4, adapters={"sql"})
+    warm = pod("b", running=4, adapters={"t1"})  # ran this adapter's prompt before; the adapter left, a slot is free
+    matched = RouteRequest("sql", prefix_blocks=8, prefix_matches={"b": 8}, placement_key=7)
+    decision = choose_pod([holder, warm], matched, S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("b", "prefix")

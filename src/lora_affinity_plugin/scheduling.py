@@ -189,6 +189,8 @@ def choose_pod(
         return _llmd_prefix(pods, request, run)
     if settings.rule_set == "sglang-cache-aware":
         return _sglang_cache_aware(pods, request, run)
+    if settings.rule_set == "lora-affinity-v1":
+        return _lora_affinity_v1(pods, request, settings, run)
     return _lora_affinity(pods, request, settings, run)
 
 
@@ -242,6 +244,121 @@ def _soft_affinity(pods: list[Candidate], adapter: str, settings: Settings, run:
 
 
 def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
+    """One decision for every prompt, in a defended order.
+
+    1. A short queue first (the picker's `low_queue`): a queue costs every request in it.
+    2. For an adapter, where it can run at once: the pods running it, unless busier than the fleet by
+       more than `spill_queue_margin`; a pod holding the prompt's longest prefix stays eligible up to
+       `prefix_queue_margin` more, or, not running the adapter, with a free slot (`_warm_for_adapter`).
+       Else a pod that can take the adapter without starving a batch (dealt to it among peers, resident,
+       a free slot, fewest adapters). vLLM's `--max-loras` skip rule makes a wrong adapter placement cost
+       whole generations; a prefill costs tens to hundreds of ms.
+    3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes where the caches
+       hold least (it will stay where it lands).
+    4. Least load, least KV use; gateways agree on new placements by rendezvous rank.
+    """
+    low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
+    pods = run.apply("low_queue", pods, low_queue)
+    long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
+    if request.adapter is None:
+        if long_prompt:
+            return _by_prefix(pods, request, settings, run, "base_model")
+        pods = run.apply("least_load", pods, _least_load(pods, run.width))
+        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
+        return run.pick(pods, "base_model")
+
+    adapter = request.adapter
+    fleet_min = min(p.load for p in pods)
+    holders = [p for p in pods if adapter in p.active_adapters]
+    roomy = [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin]
+    if long_prompt:
+        roomy += _warm_for_adapter(pods, holders, roomy, fleet_min, request, settings)
+    if roomy:
+        pods = run.apply("adapter_active", pods, roomy)
+        if not long_prompt:
+            return _least(pods, run, "affinity")
+        pods = run.apply("least_load", pods, _least_load(pods, run.width))  # the prefix then chooses within the band
+        return _by_prefix(pods, request, settings, run, "affinity")
+
+    # Place (or spill) the adapter where it adds the least contention.
+    branch = "spill" if holders else "place"
+    others = [p for p in pods if adapter not in p.active_adapters] or pods
+    if request.gateways > 1 and request.home is not None:
+        least = min(p.load for p in others)
+        dealt = [p for p in others if p.key == request.home and p.load <= least + settings.spill_queue_margin]
+        if dealt:
+            pods = run.apply("dealt", others, dealt)
+            return run.pick(pods, branch)
+    pods = run.apply("resident", others, [p for p in others if adapter in p.resident_adapters])
+    pods = run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
+    if request.gateways > 1:
+        # Peers place at the same moment from the same snapshot, each counting only its own dispatches:
+        # exact balancing on that partial view disagrees. So every gateway deals the served adapters
+        # over the pods the same way and starts an adapter on its dealt pod, if that one has a free
+        # slot and is not far busier; else the adapter's rendezvous ranking chooses: all agree.
+        least = min(p.load for p in pods)
+        pods = run.apply("roomy", pods, [p for p in pods if p.load <= least + settings.spill_queue_margin])
+        if long_prompt:
+            pods, _ = _prefix_filters(pods, request, settings, run)
+        return run.pick(pods, branch, agree=True)
+    fewest = min(len(p.active_adapters) for p in pods)
+    pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
+    if long_prompt:
+        pods, _ = _prefix_filters(pods, request, settings, run)
+    pods = run.apply("least_load", pods, _least_load(pods, run.width))
+    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
+    return run.pick(pods, branch, agree=True)
+
+
+def _warm_for_adapter(pods: list[Candidate], holders: list[Candidate], roomy: list[Candidate], fleet_min: int,
+                      request: RouteRequest, settings: Settings) -> list[Candidate]:
+    """Pods holding the prompt's longest prefix that the adapter rules would pass over, kept eligible:
+    a holder up to `prefix_queue_margin` beyond the spill margin (the saved prefill is worth that much
+    queue, no more: a hot adapter must still spread), and a pod not running the adapter that has a free
+    slot (loading an adapter takes milliseconds, a prefill of the prefix hundreds)."""
+    edge = fleet_min + settings.spill_queue_margin + settings.prefix_queue_margin
+    extra = []
+    for p in _warm(_not_far_busier(pods, settings), request, settings):
+        if p in roomy:
+            continue
+        if p in holders and p.load <= edge or p not in holders and p.has_free_slot():
+            extra.append(p)
+    return extra
+
+
+def _least(pods: list[Candidate], run: _Run, branch: str) -> Decision:
+    pods = run.apply("least_load", pods, _least_load(pods, run.width))
+    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
+    return run.pick(pods, branch)
+
+
+def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings,
+                    run: _Run) -> tuple[list[Candidate], bool]:
+    """Among pods the adapter rules allow: the longest match (not far busier), else the emptiest caches.
+    Returns the pods and whether a match chose them."""
+    roomy = _not_far_busier(pods, settings)
+    warm = _warm(roomy, request, settings) if request.prefix_matches else []
+    if warm:
+        return run.apply("prefix_match", pods, warm), True
+    pods = run.apply("roomy", pods, roomy)
+    return run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width)), False
+
+
+def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str) -> Decision:
+    """Steps 3-4 for a long prompt: a match is named `prefix`, an unseen base-model prompt `new_prefix`."""
+    pods, matched = _prefix_filters(pods, request, settings, run)
+    pods = run.apply("least_load", pods, _least_load(pods, run.width))
+    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
+    if matched:
+        return run.pick(pods, "prefix", agree=True)
+    if branch == "base_model":  # a new prefix: gateways agree where it lands
+        return run.pick(pods, "new_prefix", agree=True)
+    return run.pick(pods, branch, agree=True)
+
+
+def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
+    """The previous default (kept as the `lora-affinity-v1` reference): a long prompt went through the prefix
+    rules before any adapter rule, so an unseen long prompt was placed by index size, not by its adapter."""
     low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
     pods = run.apply("low_queue", pods, low_queue)
     long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
@@ -253,7 +370,7 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
             pods = run.apply("least_load", pods, _least_load(pods, run.width))
             pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
             return run.pick(pods, "prefix", agree=True)
-        return _new_prefix(pods, roomy, request, run)
+        return _new_prefix_v1(pods, roomy, request, run)
     if request.adapter is None:
         pods = run.apply("least_load", pods, _least_load(pods, run.width))
         pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
@@ -307,7 +424,7 @@ def _not_far_busier(pods: list[Candidate], settings: Settings) -> list[Candidate
     return [p for p, load in zip(pods, loads) if load <= edge or p.reported_waiting <= queue_edge]
 
 
-def _new_prefix(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
+def _new_prefix_v1(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
     """A prompt no pod holds: it will stay where it lands, so place it for the cache, not the moment.
 
     Among pods not far busier than the least busy, and (for an adapter) that can run it without

@@ -26,7 +26,7 @@ from pydantic import (
 from .connection import SCHEMES, parse_redis_url
 
 ENV_PREFIX = "LORA_AFFINITY_"
-RuleSet = Literal["lora-affinity", "gie-v0.2", "llmd-prefix", "sglang-cache-aware"]
+RuleSet = Literal["lora-affinity", "lora-affinity-v1", "gie-v0.2", "llmd-prefix", "sglang-cache-aware"]
 RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_lora", "least_kv", "least_load",
                    "adapter_active", "resident", "free_slot", "fewest_adapters", "prefix_match",
                    "fewest_prefixes", "roomy", "dealt"]

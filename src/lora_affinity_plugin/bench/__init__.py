@@ -33,7 +33,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deployments", default="8,64,512", help="decisions scenario: deployment counts")
     parser.add_argument("--iterations", type=int, default=3000, help="decisions scenario: decisions per size")
     parser.add_argument("--prompt-chars", type=int, default=0,
-                        help="decisions scenario: characters per chat prompt (0: the seed's short prompt)")
+                        help="decisions: characters per chat prompt (0: the seed's short prompt); LoRA scenarios: "
+                             "characters of a unique text or instruction (default 1500)")
+    parser.add_argument("--prompt-shape", choices=["seed", "unique", "instruction", "mix"], default=None,
+                        help="LoRA scenarios, fast mode: the seed's question, a unique text per request, a "
+                             "per-adapter instruction plus the question, or the three in turn")
     parser.add_argument("--pods", type=int, default=256, help="scrape-scale: simulated replicas")
     parser.add_argument("--pods-blocks", help="index-memory: PODSxGPU_BLOCKS,... (default 6x700,64x100000)")
     parser.add_argument("--seconds", type=float, default=10.0, help="scrape-scale: how long each variant runs")

@@ -40,11 +40,16 @@ def _strategies(args: argparse.Namespace) -> list[str]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    scenario = with_overrides(get_scenario(args.scenario), requests=args.requests)
+    scenario = with_overrides(get_scenario(args.scenario), requests=args.requests,
+                              prompt_shape=getattr(args, "prompt_shape", None),
+                              prompt_chars=getattr(args, "prompt_chars", 0) or None)
+    if scenario.prompt_shape != "seed" and (scenario.open_loop or args.mode != "fast"):
+        raise SystemExit("--prompt-shape applies to the LoRA scenarios in fast mode")
     strategies = _strategies(args)
     print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, "
           f"max_loras {scenario.max_loras}, {scenario.connections} connections, deadline {scenario.deadline_s:.0f} s "
-          f"(simulated); mode {args.mode}; gateways {args.gateways}")
+          f"(simulated); mode {args.mode}; gateways {args.gateways}; prompts {scenario.prompt_shape}"
+          + (f" ({scenario.prompt_chars} chars)" if scenario.prompt_shape != "seed" else ""))
     results = _run(scenario, strategies, args, args.gateways)
     if args.gateways > 1 and "lora-affinity" in strategies:
         (one,) = _run(scenario, ["lora-affinity"], args, 1)

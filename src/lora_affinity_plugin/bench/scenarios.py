@@ -49,6 +49,10 @@ class Scenario:
     rates: tuple[float, ...] = ()
     """The default sweep of arrival rates (requests per second)."""
     sheddable_share: float = 0.0
+    prompt_shape: str = "seed"
+    """LoRA scenarios: seed | unique | instruction | mix (bench/prompt_shapes.py)."""
+    prompt_chars: int = 1500
+    """Characters of a unique text or an instruction."""
 
     @property
     def open_loop(self) -> bool:

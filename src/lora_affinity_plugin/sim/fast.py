@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..bench.prefix_workloads import PrefixWorkload
+from ..bench.prompt_shapes import lora_prompt
 from ..bench.results import RequestOutcome, Result, summarize_classes
 from ..bench.scenarios import SEED_PROMPT, Scenario
 from ..inflight import merge_shares
@@ -117,7 +118,13 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 continue  # timed out while waiting for a connection
             connection = free_connections.popleft()
             gateway = policies[(req.index if prefix_load else connection) % gateways]
-            messages = req.messages if prefix_load else _SEED_MESSAGES
+            shaped = not prefix_load and scenario.prompt_shape != "seed"
+            if shaped:
+                text = lora_prompt(scenario.prompt_shape, scenario.prompt_chars, seed, req.index, req.adapter,
+                                   SEED_PROMPT)
+                messages = [{"role": "user", "content": text}]
+            else:
+                messages = req.messages if prefix_load else _SEED_MESSAGES
             sheddable = getattr(req, "sheddable", False)
             replica = gateway.route(req.adapter, connection, now, str(req.index), messages=messages,
                                     group=getattr(req, "group", 0), sheddable=sheddable)
@@ -127,14 +134,14 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                                                        sheddable=True))
                 continue
             engine = engines[replica]
-            if prefix_load:
-                text = prompt_text({"messages": req.messages})
+            if prefix_load or shaped:
+                text = prompt_text({"messages": messages})
                 tokens = count_tokens(text)
             else:
                 text, tokens = SEED_PROMPT, scenario.prompt_tokens
             seq = Sequence(str(req.index), req.adapter, tokens, engine.output_length(scenario.max_tokens),
                            arrival=req.arrival, block_hashes=block_hashes(text, req.adapter, None, engine.config.block_size),
-                           prompt_text=text if prefix_load else None)
+                           prompt_text=text if prefix_load or shaped else None)
             engine.add(seq)
             seqs[req.index] = (seq, replica, connection, req)
             by_seq[id(seq)] = req.index

@@ -272,10 +272,10 @@ LLMD_PREFIX = {"rule_set": "llmd-prefix", "count_dispatches": False, "remember_r
 SGLANG_CACHE_AWARE = {"rule_set": "sglang-cache-aware", "share_inflight": False, "share_prefixes": False}
 """SGLang's router: counts its own requests in flight; a tree per router replica (no mesh)."""
 PREFIX_STRATEGIES = ["simple-shuffle", "least-busy", "gie-v0.2", "llmd-prefix", "sglang-cache-aware",
-                     "lora-affinity-noprefix", "lora-affinity"]
+                     "lora-affinity-noprefix", "lora-affinity-v1", "lora-affinity"]
 RULE_SETS = {"gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
              "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE,
-             "lora-affinity-noshed": NO_SHEDDING}
+             "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1"}}
 """Strategies that are the plugin's own code with these settings (in fast mode and live)."""
 
 
