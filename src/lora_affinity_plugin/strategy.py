@@ -39,7 +39,7 @@ from .settings import Settings, build_settings
 logger = logging.getLogger("lora_affinity")
 _TRIED_CALLS = 4096
 _NAMES_CACHED = 4096
-"""Requested model names remembered (wildcards let callers send any name): least recently used go."""
+"""Requested model names remembered (wildcards let callers send any name): the oldest go first."""
 
 
 class LoraAffinityStrategy(CustomRoutingStrategyBase):
