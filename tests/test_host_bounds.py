@@ -98,20 +98,21 @@ def test_each_model_groups_fallback_is_its_own_episode(caplog):
     assert caplog.text.count("unavailable for 'broken'") == 1 and "recovered" not in caplog.text
 
 
-def test_a_release_the_plugin_cannot_route_is_left_to_litellm_with_the_reason(caplog):
-    """1.94-1.108: the plugin routes. 1.110 (Rust core): install() refuses and the proxy callback installs nothing."""
-    import pytest
 
-    from lora_affinity_plugin.compat import routing_unsupported_reason
-    from lora_affinity_plugin.strategy import install
+async def test_every_release_registers_the_strategy_and_hands_unrouted_groups_back():
+    """1.94-1.108 assign the strategy on the router; 1.110 registers it on its Rust core (`register_plugin`),
+    where the class's pick would call the strategy again: a group without pods goes to LiteLLM's simple_shuffle."""
+    from lora_affinity_plugin.strategy import install, installed_strategy
 
-    router = litellm.Router(model_list=[{"model_name": "*", "litellm_params": {
-        "model": "hosted_vllm/*", "api_base": "http://pod-a:8000/v1"}}])
-    reason = routing_unsupported_reason()
-    if hasattr(litellm.Router, "register_plugin"):
-        assert reason and "Rust core" in reason
-        with pytest.raises(RuntimeError, match="leaves routing to LiteLLM"):
-            install(router, S)
-    else:
-        assert reason is None
-        install(router, S).stop()
+    router = litellm.Router(model_list=[
+        {"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": "http://pod-a:8000/v1"}},
+        {"model_name": "gpt-4o", "litellm_params": {"model": "openai/gpt-4o", "api_key": "x"}},
+        {"model_name": "gpt-4o", "litellm_params": {"model": "openai/gpt-4o-mini", "api_key": "x"}}])
+    strategy = install(router, S)
+    try:
+        assert installed_strategy(router) is strategy
+        picked = {(await router.async_get_available_deployment(model="gpt-4o", request_kwargs={}))
+                  ["litellm_params"]["model"] for _ in range(40)}
+        assert picked == {"openai/gpt-4o", "openai/gpt-4o-mini"}  # LiteLLM's own pick, both deployments
+    finally:
+        strategy.stop()

@@ -1,8 +1,8 @@
 """Installing the plugin into a LiteLLM environment leaves its LiteLLM release in place and adds no extras.
 
-`bash .ci/run` makes `.venv-oldest` with the oldest tested LiteLLM release and `.venv-newest` with the
-newest (1.110.2, its proxy's dependencies installed by hand); this virtual environment has another.
-The check asks pip what it would change (`--dry-run --report`), so nothing is modified.
+`bash .ci/run` makes `.venv` with the newest tested LiteLLM release (1.110.2, its proxy's dependencies
+installed by hand), `.venv-1108` with 1.108.7 and `.venv-oldest` with the oldest. The check asks pip, in
+each, what installing the plugin would change (`--dry-run --report`), so nothing is modified.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OTHER_ENVS = [ROOT / ".venv-oldest", ROOT / ".venv-newest"]
+OTHER_ENVS = [ROOT / ".venv", ROOT / ".venv-1108", ROOT / ".venv-oldest"]
 BENCH_ONLY = {"tqdm", "matplotlib", "fakeredis"}
 
 
@@ -31,7 +31,6 @@ def test_pip_install_beside_another_litellm_release_changes_nothing_of_litellm(t
     if not (OTHER_ENV / "bin" / "pip").exists():
         pytest.fail(f"{OTHER_ENV} is missing: `bash .ci/run` makes it with another tested LiteLLM release")
     theirs = _version_in(OTHER_ENV, "litellm")
-    assert theirs != importlib.metadata.version("litellm"), "the other environment must hold another release"
     report = tmp_path / "report.json"
     subprocess.run([str(OTHER_ENV / "bin" / "pip"), "install", "--dry-run", "--quiet", "--report", str(report),
                     str(ROOT)], check=True, capture_output=True, text=True, timeout=600)

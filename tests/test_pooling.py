@@ -15,7 +15,6 @@ import pytest
 from litellm.integrations.custom_logger import CustomLogger
 
 from lora_affinity_plugin import strategy as strategy_module
-from lora_affinity_plugin.compat import routing_unsupported_reason
 from lora_affinity_plugin.pooling import PooledClients
 from lora_affinity_plugin.settings import build_settings
 from procs import free_port
@@ -161,10 +160,6 @@ async def test_a_new_event_loop_gets_a_new_pool():
     assert first is not second and first._client is not second._client
 
 
-# On a release whose router the plugin cannot route (1.110's Rust core), install() refuses: test_host_bounds.py.
-routing = pytest.mark.skipif(routing_unsupported_reason() is not None, reason="this LiteLLM is not routed by the plugin")
-
-
 def _routed_router(model_list: list[dict]) -> tuple[litellm.Router, strategy_module.LoraAffinityStrategy]:
     router = litellm.Router(model_list=model_list, num_retries=0)
     strategy = strategy_module.install(router, build_settings({}))
@@ -172,7 +167,6 @@ def _routed_router(model_list: list[dict]) -> tuple[litellm.Router, strategy_mod
     return router, strategy
 
 
-@routing
 async def test_only_text_completions_to_routed_pods_get_a_pooled_client():
     router, strategy = _routed_router([
         {"model_name": "pods", "litellm_params": {"model": "hosted_vllm/m", "api_base": "http://pod-a:8000/v1"}},
@@ -190,7 +184,6 @@ async def test_only_text_completions_to_routed_pods_get_a_pooled_client():
     await strategy.pools.aclose()
 
 
-@routing
 async def test_the_plugin_puts_nothing_in_the_routers_cache():
     router, strategy = _routed_router([{"model_name": "pods", "litellm_params": {
         "model": "hosted_vllm/m", "api_base": "http://pod-a:8000/v1"}}])
@@ -202,7 +195,6 @@ async def test_the_plugin_puts_nothing_in_the_routers_cache():
     await strategy.pools.aclose()
 
 
-@routing
 async def test_reinstalling_keeps_one_pool():
     router, first = _routed_router([{"model_name": "pods", "litellm_params": {
         "model": "hosted_vllm/m", "api_base": "http://pod-a:8000/v1"}}])

@@ -61,13 +61,13 @@ async def test_exactly_one_healthy_deployments_call_per_decision(monkeypatch):
     router, strat, fleet = make()
     fleet.update({p: record(p) for p in PODS})
     calls = []
-    original = router.async_get_healthy_deployments
+    original = type(router).async_get_healthy_deployments  # on the class: 1.110's router reads it there
 
-    async def spy(**kwargs):
+    async def spy(self, **kwargs):
         calls.append(kwargs["model"])
-        return await original(**kwargs)
+        return await original(self, **kwargs)
 
-    monkeypatch.setattr(router, "async_get_healthy_deployments", spy)
+    monkeypatch.setattr(type(router), "async_get_healthy_deployments", spy)
     await route(router, "sql-lora")
     assert calls == ["sql-lora"]
 

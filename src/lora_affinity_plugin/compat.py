@@ -123,27 +123,74 @@ async def token_may_call(token: Any, model: str, router: Any) -> bool:
     return True
 
 
-def routing_unsupported_reason() -> str | None:
-    """Why this LiteLLM cannot run the plugin's routing, or None when it can.
+def _rust_core(router: Any) -> Any | None:
+    """1.110+: the router's Rust core (`Router.register_plugin`), which holds the registered strategy."""
+    return getattr(router, "_core", None) if hasattr(type(router), "register_plugin") else None
 
-    1.110 routes through its Rust core (`Router.register_plugin`): a custom strategy gets every model
-    group, and the class's own pick, which 1.94-1.108 offer to hand a group back, calls the plugin again.
-    Until the plugin speaks that interface it leaves routing to LiteLLM there (requests still succeed).
+
+def register_strategy(router: Any, strategy: Any) -> None:
+    """`register_plugin` (1.110+; `set_custom_routing_strategy` became its deprecated alias) or the old call."""
+    register = getattr(router, "register_plugin", None)
+    (register or router.set_custom_routing_strategy)(strategy)
+
+
+def registered_strategy(router: Any) -> Any | None:
+    """The custom strategy the router uses now, or None (a settings change or a rebuild drops it).
+
+    1.94-1.108 assign the strategy's bound methods on the router instance; 1.110 keeps it on its core.
     """
-    import litellm
-
-    if hasattr(litellm.Router, "register_plugin"):
-        version = getattr(litellm, "__version__", None) or _installed_version("litellm")
-        return (f"LiteLLM {version} routes with its Rust core, which offers a custom strategy no way to hand "
-                "a model group back to LiteLLM's own routing; lora-affinity leaves routing to LiteLLM on this "
-                "release (README, Compatibility)")
-    return None
+    core = _rust_core(router)
+    if core is not None:
+        return getattr(core, "__dict__", {}).get("_custom_strategy")
+    bound = getattr(router, "__dict__", {}).get("async_get_available_deployment")
+    return getattr(bound, "__self__", None)
 
 
-def _installed_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
+async def host_pick(router: Any, model: str, messages: Any, input: Any, specific_deployment: Any,
+                    request_kwargs: dict) -> Any:
+    """LiteLLM's own pick for a model group the plugin does not route.
 
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "unknown"
+    1.94-1.108: the class's method, which the instance's custom strategy does not replace (the router's
+    configured strategy). 1.110: the class's method calls the registered strategy again, so the healthy
+    deployments (cooldowns applied) are picked by LiteLLM's `simple_shuffle` (weights, rpm, tpm), its
+    default strategy; a `routing_strategy` configured beside the plugin does not apply to those groups.
+    """
+    core = _rust_core(router)
+    if core is None:
+        return await type(router).async_get_available_deployment(
+            router, model=model, messages=messages, input=input, specific_deployment=specific_deployment,
+            request_kwargs=request_kwargs)
+    healthy = await router.async_get_healthy_deployments(
+        model=model, request_kwargs=request_kwargs, messages=messages, input=input,
+        specific_deployment=specific_deployment)
+    if isinstance(healthy, dict) or not healthy:
+        return healthy
+    from litellm.router_strategy.simple_shuffle import simple_shuffle
+
+    return simple_shuffle(resolve_model_alias=_alias_resolver(core), healthy_deployments=healthy, model=model,
+                          request_kwargs=request_kwargs)
+
+
+def _alias_resolver(core: Any) -> Any:
+    """model_group_alias resolution as the 1.110 core does it (for simple_shuffle's scoped weights)."""
+    resolve = getattr(getattr(core, "_hosted", None), "_core_get_model_from_alias", None)
+    return resolve if callable(resolve) else (lambda name: None)
+
+
+def host_pick_sync(router: Any, model: str, messages: Any, input: Any, specific_deployment: Any,
+                   request_kwargs: Any) -> Any:
+    """The sync twin of `host_pick` (`router.completion`); on 1.110 the group's deployments, weighted
+    by `simple_shuffle` (no sync health read exists there)."""
+    core = _rust_core(router)
+    if core is None:
+        return type(router).get_available_deployment(
+            router, model=model, messages=messages, input=input, specific_deployment=specific_deployment,
+            request_kwargs=request_kwargs)
+    deployments = router.get_model_list(model_name=model) or []
+    if not deployments:
+        raise ValueError(f"no deployment for model {model!r}")
+    from litellm.router_strategy.simple_shuffle import simple_shuffle
+
+    return simple_shuffle(resolve_model_alias=_alias_resolver(core), healthy_deployments=deployments, model=model,
+                          request_kwargs=request_kwargs)
+

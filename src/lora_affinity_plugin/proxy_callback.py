@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from .compat import models_a_caller_may_call, routing_unsupported_reason
+from .compat import models_a_caller_may_call
 from .discovery import install_listing
 from .fleet import FleetView
 from .memtrace import ENV, install_from_env
@@ -59,8 +59,6 @@ class ProxyPlugin(CustomLogger):
         self._watcher: asyncio.Task | None = None
         self._strategy: LoraAffinityStrategy | None = None
         self._listing_installed = False
-        self._unsupported: str | None = None
-        """Why this LiteLLM cannot run the routing ("" when it can), decided once."""
         try:
             self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="lora-affinity-install")
         except RuntimeError:
@@ -92,12 +90,6 @@ class ProxyPlugin(CustomLogger):
 
         router = getattr(proxy_server, "llm_router", None)
         if router is None:
-            return None
-        if self._unsupported is None:
-            self._unsupported = routing_unsupported_reason() or ""
-            if self._unsupported:
-                logger.error("%s", self._unsupported)
-        if self._unsupported:
             return None
         strategy = installed_strategy(router)
         if strategy is None:

@@ -26,7 +26,7 @@ import litellm
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
-from .compat import routing_unsupported_reason
+from .compat import host_pick, host_pick_sync, register_strategy, registered_strategy
 from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
@@ -82,10 +82,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
 
     async def _route(self, model: str, messages, input, specific_deployment, request_kwargs: dict) -> dict:
         if not self._manages(model):
-            return await type(self.router).async_get_available_deployment(
-                self.router, model=model, messages=messages, input=input,
-                specific_deployment=specific_deployment, request_kwargs=request_kwargs,
-            )
+            return await host_pick(self.router, model, messages, input, specific_deployment, request_kwargs)
         healthy = await self.router.async_get_healthy_deployments(
             model=model, request_kwargs=request_kwargs, messages=messages, input=input,
             specific_deployment=specific_deployment,
@@ -97,10 +94,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
     def get_available_deployment(self, model: str, messages=None, input=None, specific_deployment=False,
                                  request_kwargs=None):
         # The sync path (router.completion) has no event loop to keep metrics fresh: LiteLLM routes it.
-        return type(self.router).get_available_deployment(
-            self.router, model=model, messages=messages, input=input,
-            specific_deployment=specific_deployment, request_kwargs=request_kwargs,
-        )
+        return host_pick_sync(self.router, model, messages, input, specific_deployment, request_kwargs)
 
     # --- the decision --------------------------------------------------------------------------
     def pick(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any = None) -> dict:
@@ -299,13 +293,7 @@ class _DeploymentIndex:
 def install(router: litellm.Router, settings: Settings | None = None, *, rng: random.Random | None = None,
             fleet: FleetView | None = None, hooks_end_calls: bool = False,
             pools: PooledClients | None = None) -> LoraAffinityStrategy:
-    """Install the strategy on a `litellm.Router`; returns it. Call again after a router is rebuilt.
-
-    Raises RuntimeError on a LiteLLM release whose router cannot run it (`compat.routing_unsupported_reason`).
-    """
-    reason = routing_unsupported_reason()
-    if reason:
-        raise RuntimeError(reason)
+    """Install the strategy on a `litellm.Router`; returns it. Call again after a router is rebuilt."""
     strategy = LoraAffinityStrategy(router, settings or build_settings({}), rng=rng, fleet=fleet,
                                     hooks_end_calls=hooks_end_calls)
     previous = installed_strategy(router)
@@ -314,7 +302,7 @@ def install(router: litellm.Router, settings: Settings | None = None, *, rng: ra
         pools = pools or previous.pools
     if pools is not None:
         strategy.pools = pools  # one pool per process: calls in flight keep their connections
-    router.set_custom_routing_strategy(strategy)
+    register_strategy(router, strategy)
     if not hooks_end_calls:  # a `litellm.Router` user: our hook hands routed text completions a pooled client
         _ROUTER_USER_HOOK.strategies[router] = strategy
         if _ROUTER_USER_HOOK not in litellm.callbacks:
@@ -343,8 +331,7 @@ _ROUTER_USER_HOOK = _RouterUserHook()
 
 
 def installed_strategy(router: Any) -> LoraAffinityStrategy | None:
-    bound = getattr(router, "__dict__", {}).get("async_get_available_deployment")
-    owner = getattr(bound, "__self__", None)
+    owner = registered_strategy(router)
     return owner if isinstance(owner, LoraAffinityStrategy) else None
 
 
