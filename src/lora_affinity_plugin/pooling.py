@@ -49,8 +49,6 @@ class PooledClients:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: OrderedDict[tuple, Any] = OrderedDict()
         self._left_to_litellm: OrderedDict[str, None] = OrderedDict()
-        self.handed = 0
-        """Calls given a pooled client."""
         self._failing = Episode(logger, "lora-affinity could not hand a pooled client; LiteLLM builds its own")
 
     def client_for(self, kwargs: Mapping[str, Any]) -> Any | None:
@@ -61,8 +59,6 @@ class PooledClients:
             self._failing.fail(f"{type(exc).__name__}: {exc}")  # once per episode, not per request
             return None
         self._failing.recover()
-        if client is not None:
-            self.handed += 1
         return client
 
     def _client_for(self, kwargs: Mapping[str, Any]) -> Any | None:

@@ -263,9 +263,7 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     if request.adapter is None:
         if long_prompt:
             return _by_prefix(pods, request, settings, run, "base_model")
-        pods = run.apply("least_load", pods, _least_load(pods, run.width))
-        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        return run.pick(pods, "base_model")
+        return _least(pods, run, "base_model")
 
     adapter = request.adapter
     fleet_min = min(p.load for p in pods)
@@ -280,7 +278,15 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         pods = run.apply("least_load", pods, _least_load(pods, run.width))  # the prefix then chooses within the band
         return _by_prefix(pods, request, settings, run, "affinity")
 
-    # Place (or spill) the adapter where it adds the least contention.
+    return _place_adapter(pods, holders, request, settings, run, by_prefix=long_prompt)
+
+
+def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: RouteRequest, settings: Settings,
+                   run: _Run, by_prefix: bool) -> Decision:
+    """Place (or spill) the adapter where it adds the least contention: dealt to it among peers, a pod that
+    still holds it, a free slot, the fewest distinct adapters; `by_prefix` then lets the prompt's prefix
+    choose among those (the `lora-affinity-v1` reference places without it)."""
+    adapter = request.adapter
     branch = "spill" if holders else "place"
     others = [p for p in pods if adapter not in p.active_adapters] or pods
     if request.gateways > 1 and request.home is not None:
@@ -298,12 +304,12 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         # slot and is not far busier; else the adapter's rendezvous ranking chooses: all agree.
         least = min(p.load for p in pods)
         pods = run.apply("roomy", pods, [p for p in pods if p.load <= least + settings.spill_queue_margin])
-        if long_prompt:
+        if by_prefix:
             pods, _ = _prefix_filters(pods, request, settings, run)
         return run.pick(pods, branch, agree=True)
     fewest = min(len(p.active_adapters) for p in pods)
     pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
-    if long_prompt:
+    if by_prefix:
         pods, _ = _prefix_filters(pods, request, settings, run)
     pods = run.apply("least_load", pods, _least_load(pods, run.width))
     pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
@@ -372,45 +378,16 @@ def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Se
             return run.pick(pods, "prefix", agree=True)
         return _new_prefix_v1(pods, roomy, request, run)
     if request.adapter is None:
-        pods = run.apply("least_load", pods, _least_load(pods, run.width))
-        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        return run.pick(pods, "base_model")
+        return _least(pods, run, "base_model")
 
     adapter = request.adapter
     fleet_min = min(p.load for p in pods)
     holders = [p for p in pods if adapter in p.active_adapters]
     roomy = [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin]
     if roomy:
-        pods = run.apply("adapter_active", pods, roomy)
-        pods = run.apply("least_load", pods, _least_load(pods, run.width))
-        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        return run.pick(pods, "affinity")
+        return _least(run.apply("adapter_active", pods, roomy), run, "affinity")
 
-    # Place (or spill) the adapter where it adds the least contention: a pod with a free slot,
-    # one that still holds it, then the fewest distinct adapters, then the least load.
-    branch = "spill" if holders else "place"
-    others = [p for p in pods if adapter not in p.active_adapters] or pods
-    if request.gateways > 1 and request.home is not None:
-        least = min(p.load for p in others)
-        dealt = [p for p in others if p.key == request.home and p.load <= least + settings.spill_queue_margin]
-        if dealt:
-            pods = run.apply("dealt", others, dealt)
-            return run.pick(pods, branch)
-    pods = run.apply("resident", others, [p for p in others if adapter in p.resident_adapters])
-    pods = run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
-    if request.gateways > 1:
-        # Peers place at the same moment from the same snapshot, each counting only its own dispatches:
-        # exact balancing on that partial view disagrees. So every gateway deals the served adapters
-        # over the pods the same way and starts an adapter on its dealt pod, if that one has a free
-        # slot and is not far busier; else the adapter's rendezvous ranking chooses: all agree.
-        least = min(p.load for p in pods)
-        pods = run.apply("roomy", pods, [p for p in pods if p.load <= least + settings.spill_queue_margin])
-        return run.pick(pods, branch, agree=True)
-    fewest = min(len(p.active_adapters) for p in pods)
-    pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
-    pods = run.apply("least_load", pods, _least_load(pods, run.width))
-    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-    return run.pick(pods, branch, agree=True)
+    return _place_adapter(pods, holders, request, settings, run, by_prefix=False)
 
 
 def _not_far_busier(pods: list[Candidate], settings: Settings) -> list[Candidate]:
