@@ -201,3 +201,22 @@ async def test_reinstalling_keeps_one_pool():
     second = strategy_module.install(router, build_settings({}))
     second.stop()
     assert second.pools is first.pools
+
+
+def test_a_failure_while_building_a_client_leaves_the_call_to_litellm_and_is_logged_once(monkeypatch, caplog):
+    from lora_affinity_plugin import compat
+
+    def broken(kwargs):
+        raise RuntimeError("a release without this helper")
+
+    monkeypatch.setattr(compat, "resolve_text_completion_api_key", broken)
+    pools = PooledClients()
+    call = {"model": "hosted_vllm/m", "api_key": "k", "timeout": 5.0, "api_base": "http://pod-a:8000/v1"}
+    assert pools.client_for(call) is None and pools.client_for(call) is None
+    assert caplog.text.count("could not hand a pooled client") == 1
+
+
+@pytest.mark.parametrize("model_info", [None, "x", {"id": ["unhashable"]}, {"id": None}])
+def test_odd_model_info_in_a_call_is_left_to_litellm(model_info):
+    strategy = strategy_module.LoraAffinityStrategy(litellm.Router(model_list=[]), build_settings({}))
+    assert strategy.pooled_client({"model": "hosted_vllm/m", "model_info": model_info}, "atext_completion") is None

@@ -179,11 +179,12 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if not self.settings.pooled_clients or str(getattr(call_type, "value", call_type)) != "atext_completion":
             return None
         info = call_kwargs.get("model_info")
-        if not isinstance(info, Mapping) or info.get("id") not in self._index.pods_by_id:
+        model_id = info.get("id") if isinstance(info, Mapping) else None
+        if not isinstance(model_id, str) or model_id not in self._index.pods_by_id:
             return None  # a deployment the plugin does not route: LiteLLM's, untouched
         if provider_of(call_kwargs) not in POOLED_PROVIDERS:
             return None
-        return self.pools.client_for(call_kwargs)
+        return self.pools.client_for(call_kwargs)  # never raises: LiteLLM's own client on any failure
 
     def pod_of(self, call_kwargs: Mapping[str, Any]) -> str | None:
         """The pod a call's kwargs (as LiteLLM's deployment hooks see them) are sent to."""
