@@ -1,5 +1,6 @@
 """Test helpers: the package's own process helpers, plus the fake vLLM pods."""
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,3 +25,13 @@ def fake_pods(ports: list[int], log_dir: Path) -> Proc:
     for port in ports:
         wait_port(port)
     return proc
+
+
+CLI = [sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING"]
+
+
+def run_cli(args: list[str], timeout: float = 300) -> str:
+    """`lora-affinity ARGS`, which must succeed; its stdout."""
+    out = subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=child_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout

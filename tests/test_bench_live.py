@@ -1,32 +1,23 @@
-"""`lora-affinity bench` and `lora-affinity demo` from the command line, with real processes."""
+"""`lora-affinity bench` from the command line, with real processes."""
 
 import json
-import re
-import subprocess
-import sys
 
-from procs import child_env
-
-CLI = [sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING"]
-
-
-def run(args, timeout=300):
-    out = subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=child_env())
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
+from procs import run_cli as run
 
 
 def test_live_bench_writes_one_result_per_strategy(tmp_path):
     path = tmp_path / "r.json"
-    stdout = run(["bench", "--scenario", "seed", "--mode", "live", "--speed", "20", "--requests", "150",
+    stdout = run(["bench", "--scenario", "seed", "--mode", "live", "--speed", "20", "--requests", "100",
                   "--strategies", "per-connection-random,simple-shuffle,lora-affinity", "--json", str(path),
                   "--chart", str(tmp_path / "c.png")])
     results = json.loads(path.read_text())
     assert [r["strategy"] for r in results] == ["per-connection-random", "simple-shuffle", "lora-affinity"]
     for r in results:
-        assert r["completed"] + r["timeouts"] + r["errors"] == 150
-        assert r["completed"] > 100 and r["output_tokens_per_s"] > 0 and r["errors"] == 0
+        assert r["completed"] + r["timeouts"] + r["errors"] == 100
+        assert r["completed"] > 70 and r["output_tokens_per_s"] > 0 and r["errors"] == 0
         assert sum(r["per_replica"]) >= r["completed"]
+        if r["strategy"] != "per-connection-random":  # through proxies: their load is measured
+            assert r["transport"]["proxy_requests_per_s"] > 0 and r["transport"]["proxy_busiest_worker"] > 0
     assert "vs shuffle" in stdout and (tmp_path / "c.png").stat().st_size > 1000
 
 
@@ -38,27 +29,6 @@ def test_fast_bench_prints_every_strategy(tmp_path):
             "per-connection-random", "gie-v0.2", "lora-affinity"} <= names
     assert "lora-affinity" in stdout
 
-
-def test_demo_runs_end_to_end(tmp_path):
-    stdout = run(["demo", "--requests", "120", "--speed", "20", "--out", str(tmp_path)], timeout=400)
-    assert "Redis: redis-server" in stdout
-    assert "simple-shuffle" in stdout and "lora-affinity completed" in stdout
-    assert len(json.loads((tmp_path / "demo.json").read_text())) == 2
-
-
-def test_short_soak_with_faults_reports_no_errors_no_leaks_and_attributes_memory(tmp_path):
-    stdout = run(["bench", "--scenario", "soak", "--minutes", "0.5", "--rate", "6", "--trace",
-                  "--chart", str(tmp_path / "soak.png"), "--json", str(tmp_path / "soak.json")], timeout=400)
-    assert "Redis restarted" in stdout and "killed and restarted" in stdout
-    assert re.findall(r"^proxy with plugin: requests \d+, errors 0$", stdout, re.M)
-    assert re.findall(r"^proxy without plugin: requests \d+, errors \d+$", stdout, re.M)  # LiteLLM alone: reported
-    assert "proxy with the plugin vs without, at the end:" in stdout
-    assert "traced growth between the snapshots: plugin" in stdout  # tracemalloc snapshots were taken and compared
-    samples = json.loads((tmp_path / "soak.json").read_text())["memory"]
-    assert len(samples) >= 10 and {"proxy with plugin", "proxy without plugin", "scraper"} <= set(samples[0])
-    assert (tmp_path / "soak.png").stat().st_size > 10_000
-    assert "left running or waiting on the replicas after the load: 0" in stdout
-    assert "in flight in the proxy after the load (shared in Redis by 2 process): 0" in stdout
 
 
 def test_gateways_bench_compares_shared_unshared_and_one_gateway(tmp_path):
@@ -95,3 +65,34 @@ def test_a_live_row_with_more_than_one_percent_errors_is_refused(monkeypatch, ca
     out, err = capsys.readouterr()
     assert "lora-affinity" in out and "simple-shuffle" not in out  # the broken row is not printed
     assert "refused: simple-shuffle: 765 of 1000 requests failed (765 x ClientOSError: reset)" in err
+
+
+def test_a_live_row_whose_proxy_was_saturated_is_refused():
+    from lora_affinity_plugin.bench.results import Result, format_table, refusal
+
+    def row(busiest: float) -> Result:
+        return Result("lora-affinity", "seed", "live", 1000, 0, 0, 100.0, 1000,
+                      transport={"proxy_busiest_worker": busiest, "proxy_requests_per_s": 12.5,
+                                 "proxy_cpu_ms_per_request": 70.0})
+
+    assert refusal(row(0.84)) is None
+    reason = refusal(row(0.93))
+    assert "busiest proxy worker used 93% of a core" in reason and "not the routing" in reason
+    assert "12.5, 93% SATURATED" in format_table([row(0.93)])
+
+
+def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plugin():
+    import subprocess
+
+    from procs import CLI, child_env
+
+    out = subprocess.run(CLI + ["bench", "--scenario", "host-cost", "--requests", "4", "--repeat", "2"],
+                         capture_output=True, text=True, timeout=300, env=child_env())
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a turn saturated or failed, said on stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split() and line.split()[0] in ("chat-stream", "chat", "text", "text-stream")}
+    assert set(rows) == {"chat-stream", "chat", "text", "text-stream"}, out.stdout
+    for cells in rows.values():
+        alone, plugin, ratio = float(cells[1]), float(cells[2]), float(cells[3].rstrip("x"))
+        assert alone > 0 and plugin > 0 and abs(ratio - plugin / alone) < 0.01
+    assert "refused" not in out.stderr or out.returncode == 1

@@ -26,7 +26,7 @@ from procs import (
     write_config,
 )
 
-TRIES = 50
+TRIES = 20
 
 
 @pytest.fixture(scope="module")

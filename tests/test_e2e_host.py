@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -91,10 +92,12 @@ KINDS = ["chat", "chat-stream", "text", "text-stream"]
 
 def test_requests_the_plugin_does_not_route_behave_as_without_it(stack):
     """Each non-pod request twice, so a first failure's cooldown would show as a 429 on the second."""
-    results = {}
-    for name, url in stack["urls"].items():
-        results[name] = [_call(url, kind, "gpt-4o") for kind in KINDS for _ in range(2)]
-        results[name] += [_call(url, kind, "slow-4o") for kind in ("chat", "text")]
+    def in_order(url: str) -> list:
+        return ([_call(url, kind, "gpt-4o") for kind in KINDS for _ in range(2)]
+                + [_call(url, kind, "slow-4o") for kind in ("chat", "text")])
+
+    with ThreadPoolExecutor(2) as pool:  # the two proxies side by side, each its requests in order
+        results = dict(zip(stack["urls"], pool.map(in_order, stack["urls"].values())))
     assert results["with"] == results["without"], results
     assert [status for status, _ in results["with"]] == [200] * 8 + [408, 408]
     seen = httpx.get(stack["hosted"] + "/_control/requests").json()

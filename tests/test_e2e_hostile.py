@@ -133,13 +133,17 @@ def test_a_10mb_prompt_does_not_delay_concurrent_small_requests(proxies):
                 f.result()
         return out
 
-    delays = {}
-    for name in ("with", "without"):
-        alone = statistics.median(small_latencies(proxies[name], False))
-        beside = statistics.median(small_latencies(proxies[name], True))
-        delays[name] = beside - alone
+    # The two proxies in turn, three rounds, the order alternating: what else runs on the machine then
+    # weighs on both alike, and the rounds' spread says how much of a difference is noise.
+    delays: dict[str, list[float]] = {"with": [], "without": []}
+    for round_ in range(3):
+        for name in (("with", "without") if round_ % 2 == 0 else ("without", "with")):
+            alone = statistics.median(small_latencies(proxies[name], False))
+            beside = statistics.median(small_latencies(proxies[name], True))
+            delays[name].append(beside - alone)
+    noise = max(max(v) - min(v) for v in delays.values())
     # The proxy itself parses the 10 MB bodies (both pay that); the plugin adds no more than a few ms to it.
-    assert delays["with"] <= delays["without"] + 0.020, delays
+    assert statistics.median(delays["with"]) <= statistics.median(delays["without"]) + max(0.020, noise), delays
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

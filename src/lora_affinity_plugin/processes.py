@@ -151,10 +151,12 @@ def write_config(path: Path, pod_ports: list[int], redis_port: int, **plugin: ob
     return path
 
 
-def start_litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", env: dict | None = None) -> Proc:
+def start_litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", env: dict | None = None,
+                        workers: int = 1) -> Proc:
+    """`litellm --config`; with `workers` > 1, uvicorn's worker processes (each a gateway with its own view)."""
     litellm_bin = str(Path(sys.executable).with_name("litellm"))
     return Proc(name, [litellm_bin, "--config", str(config), "--port", str(port), "--host", "127.0.0.1",
-                       "--num_workers", "1"], log_dir, env=env)
+                       "--num_workers", str(workers)], log_dir, env=env)
 
 
 def wait_proxy(proc: Proc, port: int, timeout: float = 120.0) -> Proc:

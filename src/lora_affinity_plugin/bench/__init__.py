@@ -10,6 +10,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", help="comma-separated strategy names (fleet scenarios)")
     parser.add_argument("--speed", type=float, default=None, help="simulated time runs K times faster than real time")
     parser.add_argument("--gateways", type=int, default=1, help="proxy replicas behind the client, sharing one Redis")
+    parser.add_argument("--proxy-workers", type=int, default=1,
+                        help="live: worker processes per proxy (litellm --num_workers; each a gateway with its own view)")
     parser.add_argument("--mode", choices=["live", "fast"], default="live")
     parser.add_argument("--seeds", type=int, default=1, help="fast mode: seeds per strategy (medians reported)")
     parser.add_argument("--seed", type=int, default=1)
@@ -47,7 +49,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "index-memory", *SCENARIOS]
+    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "host-cost", "index-memory", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -71,6 +73,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .pooling import run_pooling
 
         return run_pooling(args)
+    if args.scenario == "host-cost":
+        from .host_cost import run_host_cost
+
+        return run_host_cost(args)
     if args.scenario == "parse":
         from .parse import run_parse
 

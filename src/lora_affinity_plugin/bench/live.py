@@ -77,7 +77,8 @@ class Fleet:
 
     def __init__(self, scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
                  workdir: Path, config_path: Path | None = None, lora_info_style: str = "legacy",
-                 overrides: dict | None = None) -> None:
+                 overrides: dict | None = None, proxy_workers: int = 1) -> None:
+        self.proxy_workers = proxy_workers
         self.scenario, self.strategy, self.speed, self.gateways = scenario, strategy, speed, gateways
         self.seed, self.redis_port, self.workdir = seed, redis_port, workdir
         self.config_path = config_path
@@ -133,7 +134,8 @@ class Fleet:
                                                                 "scrape", "--config", str(config_path)],
                                    self.workdir, env=env))
         self.proxy_ports = [free_port() for _ in range(self.gateways)]
-        proxies = [start_litellm_proxy(config_path, port, self.workdir, f"proxy-{self.strategy}-{g}", env=env)
+        proxies = [start_litellm_proxy(config_path, port, self.workdir, f"proxy-{self.strategy}-{g}", env=env,
+                                       workers=self.proxy_workers)
                    for g, port in enumerate(self.proxy_ports)]
         self.procs += proxies
         self.proxies = proxies
@@ -194,11 +196,11 @@ class Fleet:
 def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
                  workdir: Path, bar: tqdm | None = None, config_path: Path | None = None,
                  after_load: Callable[[Fleet, Result], None] | None = None, lora_info_style: str = "legacy",
-                 overrides: dict | None = None) -> Result:
+                 overrides: dict | None = None, proxy_workers: int = 1) -> Result:
     if strategy not in LIVE_STRATEGIES:
         raise SystemExit(f"strategy {strategy!r} runs in fast mode only; live: {', '.join(sorted(LIVE_STRATEGIES))}")
     with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path, lora_info_style,
-               overrides) as fleet:
+               overrides, proxy_workers) as fleet:
         if bar is not None:
             bar.set_description(strategy)
         probe = fleet.transport_probe()
@@ -235,7 +237,8 @@ def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace
             for style in styles:
                 for strategy in strategies:
                     result = run_strategy(scenario, strategy, speed, gateways, args.seed, redis_port, workdir, bar,
-                                          lora_info_style=style, overrides=bench_overrides(args))
+                                          lora_info_style=style, overrides=bench_overrides(args),
+                                          proxy_workers=args.proxy_workers)
                     if len(styles) > 1:
                         result.strategy += f" [{style}]"
                     results.append(result)

@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .transport import SATURATED, TransportStats, load_label
+
 
 @dataclass
 class RequestOutcome:
@@ -70,7 +72,12 @@ MAX_ERROR_SHARE = 0.01
 
 
 def refusal(result: Result) -> str | None:
-    """Why `result` must not be published, or None when it may."""
+    """Why `result` must not be published, or None when it may: too many errors, or a saturated proxy."""
+    load = TransportStats.from_dict(result.transport) if result.transport else None
+    if load is not None and load.saturated:
+        return (f"{result.strategy}: its busiest proxy worker used {load.proxy_busiest_worker:.0%} of a core over the "
+                f"measured window (over {SATURATED:.0%}), so the proxy's own queue, not the routing, decided this "
+                "row; it is not published: run slower (--speed) or with more --proxy-workers")
     sent = result.completed + result.timeouts + result.errors
     if not sent or result.errors / sent <= MAX_ERROR_SHARE:
         return None
@@ -152,7 +159,8 @@ def _spread(counts: list[int]) -> str:
 def format_table(results: list[Result]) -> str:
     base = next((r for r in results if r.strategy == "simple-shuffle"), None)
     head = (f"{'strategy':<24}{'completed':>10}{'timeouts':>9}{'errors':>7}{'req/s':>7}{'out tok/s':>10}"
-            f"{'TTFT p50/p90/p99 s':>21}{'e2e p50/p90/p99 s':>22}{'per-replica':>13}{'vs shuffle':>11}")
+            f"{'TTFT p50/p90/p99 s':>21}{'e2e p50/p90/p99 s':>22}{'per-replica':>13}{'vs shuffle':>11}"
+            f"{'proxy req/s, busiest':>22}")
     lines = [head, "-" * len(head)]
     for r in results:
         ratio = f"{r.output_tokens_per_s / base.output_tokens_per_s:.2f}x" if base and base.output_tokens_per_s else "-"
@@ -162,13 +170,21 @@ def format_table(results: list[Result]) -> str:
             f"{r.strategy:<24}{r.completed:>10}{r.timeouts:>9}{r.errors:>7}{r.req_per_s:>7.2f}"
             f"{r.output_tokens_per_s:>10.0f}"
             f"{_triple(t, '.1f'):>21}{_triple(e, '.0f'):>22}"
-            f"{_spread(r.per_replica):>13}{ratio:>11}"
+            f"{_spread(r.per_replica):>13}{ratio:>11}{_proxy_load(r):>22}"
         )
     for r in results:
         if r.error_kinds:
             kinds = "; ".join(f"{n} x {kind}" for kind, n in r.error_kinds.items())
             lines.append(f"errors of {r.strategy}: {kinds}")
     return "\n".join(lines)
+
+
+def _proxy_load(r: Result) -> str:
+    """What the proxies sustained and their busiest worker's share of a core (live rows)."""
+    if not r.transport or not r.transport.get("proxy_requests_per_s"):
+        return "-"
+    load = TransportStats.from_dict(r.transport)
+    return f"{load.proxy_requests_per_s:.1f}, {load_label(load)}"
 
 
 def write_json(results: list[Result], path: str) -> None:

@@ -1,5 +1,9 @@
-"""What a live run does to TCP: connections each pod accepted, the proxies' open sockets, their CPU,
-and LiteLLM's "Unclosed client session" warnings (an aiohttp session left to the garbage collector).
+"""What a live run does to TCP and to the proxies: connections each pod accepted, the proxies' open sockets,
+their CPU per request and per worker, and LiteLLM's "Unclosed client session" warnings (an aiohttp session
+left to the garbage collector).
+
+A proxy worker is one Python process on one core: above about 85% of that core over the measured window
+its queue, not the routing, decides the latencies, so such a row measures the proxy (`saturated`).
 
 The simulator counts accepted connections and the peak of requests in flight per replica; a pooled
 client opens at most as many connections as it has requests in flight at once.
@@ -11,6 +15,7 @@ import os
 import re
 import statistics
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,6 +23,8 @@ import httpx
 
 UNCLOSED = "Unclosed client session"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+SATURATED = 0.85
+"""A proxy worker busier than this share of a core over the measured window measures the proxy, not the routing."""
 
 
 def replica_counters(url: str) -> tuple[int, int, int]:
@@ -36,6 +43,36 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU of one process (the proxy serves in its main process with --num_workers 1)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants: a proxy run with `--num_workers N` serves in N child processes."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def tree_cpu(pids: list[int]) -> dict[int, float]:
+    """CPU seconds per process of the proxies' trees (a process gone since is left out)."""
+    out = {}
+    for root in pids:
+        for pid in process_tree(root):
+            try:
+                out[pid] = cpu_seconds(pid)
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
 
 
 def open_sockets(pid: int) -> int:
@@ -61,6 +98,15 @@ class TransportStats:
     """The proxies' open sockets sampled over the run: median and max (summed over proxies)."""
     unclosed_sessions: int = 0
     proxy_cpu_ms_per_request: float = 0.0
+    """The proxies' CPU (every process, supervisor and workers) over the load, per request."""
+    proxy_busiest_worker: float = 0.0
+    """The busiest proxy process's CPU over the measured window, as a share of one core."""
+    proxy_requests_per_s: float = 0.0
+    """Requests the proxies sustained over the measured window (wall clock, all proxies together)."""
+
+    @property
+    def saturated(self) -> bool:
+        return self.proxy_busiest_worker > SATURATED
 
     @property
     def connections_per_1k(self) -> float:
@@ -88,7 +134,9 @@ class TransportProbe:
     def __init__(self, replica_urls: list[str], proxy_pids: list[int], proxy_logs: list[Path]) -> None:
         self.replica_urls, self.proxy_pids, self.proxy_logs = replica_urls, proxy_pids, proxy_logs
         self._before = [replica_counters(u) for u in replica_urls]
-        self._cpu_before = sum(map(cpu_seconds, proxy_pids))
+        self._cpu_before = tree_cpu(proxy_pids)
+        self._serving = list(self._cpu_before)  # every process of every proxy (workers included)
+        self._started = time.monotonic()
         self._unclosed_before = sum(_count(p, UNCLOSED) for p in proxy_logs)
         self._samples: list[int] = []
         self._stop = threading.Event()
@@ -98,15 +146,19 @@ class TransportProbe:
     def _sample(self) -> None:
         while not self._stop.wait(0.25):
             try:
-                self._samples.append(sum(map(open_sockets, self.proxy_pids)))
+                self._samples.append(sum(map(open_sockets, self._serving)))
             except OSError:  # a proxy exited: the run's errors will say so
                 return
 
     def stop(self, requests: int) -> TransportStats:
         self._stop.set()
         self._thread.join()
+        window = time.monotonic() - self._started
+        cpu_after = tree_cpu(self.proxy_pids)
+        # A worker that started during the window counts from zero.
+        per_process = [cpu_after[pid] - self._cpu_before.get(pid, 0.0) for pid in cpu_after]
+        cpu = sum(per_process)
         after = [replica_counters(u) for u in self.replica_urls]
-        cpu = sum(map(cpu_seconds, self.proxy_pids)) - self._cpu_before if self.proxy_pids else 0.0
         samples = self._samples or [0]
         return TransportStats(
             requests=requests,
@@ -117,6 +169,8 @@ class TransportProbe:
             proxy_sockets={"median": int(statistics.median(samples)), "max": max(samples)} if self.proxy_pids else {},
             unclosed_sessions=sum(_count(p, UNCLOSED) for p in self.proxy_logs) - self._unclosed_before,
             proxy_cpu_ms_per_request=round(1000 * cpu / requests, 2) if requests else 0.0,
+            proxy_busiest_worker=round(max(per_process, default=0.0) / window, 3) if window > 0 else 0.0,
+            proxy_requests_per_s=round(requests / window, 2) if window > 0 and self.proxy_pids else 0.0,
         )
 
 
@@ -130,14 +184,21 @@ def _count(path: Path, needle: str) -> int:
 def format_transport_table(rows: list[tuple[str, TransportStats]]) -> str:
     head = (f"{'strategy':<26}{'conns/1k req':>13}{'conns per pod':>15}{'peak in flight':>16}{'idle-closed':>13}"
             f"{'pooled':>8}"
-            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}")
+            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}{'busiest worker':>16}")
     lines = [head, "-" * len(head)]
     for name, t in rows:
         sockets = f"{t.proxy_sockets.get('median', 0)}/{t.proxy_sockets.get('max', 0)}" if t.proxy_sockets else "-"
         lines.append(f"{name:<26}{t.connections_per_1k:>13.0f}{_span(t.connections):>15}{_span(t.peak_in_flight):>16}"
                      f"{_span(t.idle_closed):>13}{'yes' if t.pooled else 'no':>8}{sockets:>23}{t.unclosed_sessions:>10}"
-                     f"{t.proxy_cpu_ms_per_request:>12.2f}")
+                     f"{t.proxy_cpu_ms_per_request:>12.2f}{load_label(t):>16}")
     return "\n".join(lines)
+
+
+def load_label(t: TransportStats) -> str:
+    """The busiest proxy worker's share of a core, marked when it measured the proxy."""
+    if not t.proxy_requests_per_s:
+        return "-"
+    return f"{t.proxy_busiest_worker:.0%}" + (" SATURATED" if t.saturated else "")
 
 
 def _span(values: list[int]) -> str:

@@ -1,0 +1,138 @@
+"""`lora-affinity bench --scenario host-cost`: the plugin's CPU cost to its host, per request kind.
+
+Two real proxies side by side, each on its own simulated fleet of the same shape: LiteLLM alone
+(simple-shuffle) and LiteLLM with the plugin (its scraper running). Per round and request kind
+(streamed chat, chat, text completion, streamed text completion, each `--requests` requests of 40
+generated tokens to a LoRA adapter), the two proxies take turns, the order alternating between rounds,
+and the CPU of each proxy's processes over its turn is divided by the requests it served. The rate is
+kept low enough that no proxy worker is saturated (a saturated turn is reported, not published). The
+plugin runs with its production intervals (the defaults), not the benchmark's sped-up ones: its
+background refresh is part of what it costs, at the rate it runs in production.
+
+Goal: at most 1.10x LiteLLM alone for every kind (medians over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import httpx
+
+from ..processes import MASTER_KEY, free_port, redis_server, scratch_dir
+from ..settings import Settings
+from .live import Fleet
+from .scenarios import get_scenario
+from .transport import SATURATED, tree_cpu
+
+KINDS = ("chat-stream", "chat", "text", "text-stream")
+STRATEGIES = ("simple-shuffle", "lora-affinity")
+GOAL = 1.10
+OUTPUT_TOKENS = 40
+CONCURRENCY = 2
+SPEED = 10.0
+REAL_TIME = ("scrape_interval_ms", "scrape_timeout_ms", "stale_after_ms", "metrics_ttl_ms", "dispatch_lag_ms")
+
+
+def _body(kind: str, i: int) -> tuple[str, dict]:
+    chat = kind.startswith("chat")
+    body = {"model": ("sql-lora", "tweet-summary")[i % 2], "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
+            "stream": kind.endswith("stream")}
+    body.update({"messages": [{"role": "user", "content": f"question {i}: what is in the report?"}]} if chat
+                else {"prompt": f"question {i}: what is in the report?"})
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+async def _send(url: str, kind: str, requests: int) -> int:
+    """`requests` requests of one kind, CONCURRENCY at a time; the number that failed."""
+    failed = 0
+    headers = {"Authorization": f"Bearer {MASTER_KEY}"}
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal failed
+        path, body = _body(kind, i)
+        try:
+            async with client.stream("POST", url + path, json=body, headers=headers) as response:
+                payload = [line async for line in response.aiter_lines()]
+                ok = response.status_code == 200 and (not body["stream"] or "data: [DONE]" in payload)
+        except httpx.HTTPError:
+            ok = False
+        failed += not ok
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        queue = iter(range(requests))
+
+        async def worker() -> None:
+            for i in queue:
+                await one(client, i)
+
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    return failed
+
+
+def _turn(fleet: Fleet, kind: str, requests: int) -> tuple[float, float, int]:
+    """(CPU ms per request, busiest process's share of a core, failed requests) of one proxy's turn."""
+    pids = [p.popen.pid for p in fleet.proxies]
+    before, started = tree_cpu(pids), time.monotonic()
+    failed = asyncio.run(_send(fleet.targets[0], kind, requests))
+    window, after = time.monotonic() - started, tree_cpu(pids)
+    spent = [after[pid] - before.get(pid, 0.0) for pid in after]
+    return 1000 * sum(spent) / requests, max(spent) / window, failed
+
+
+def run_host_cost(args: argparse.Namespace) -> int:
+    requests = args.requests or 100
+    rounds = max(1, args.repeat if args.repeat > 1 else 5)
+    scenario = replace(get_scenario("seed"), replicas=2, mean_output_tokens=OUTPUT_TOKENS)
+    workdir = scratch_dir("lora-affinity-bench-")
+    redis_port = free_port()
+    store = redis_server(redis_port, workdir, allow_embedded=True)
+    print(f"host-cost: {rounds} rounds x {len(KINDS)} kinds x {requests} requests of {OUTPUT_TOKENS} tokens per proxy, "
+          f"{CONCURRENCY} at a time, simulated pods at {SPEED:g}x; logs in {workdir}")
+    cpu: dict[tuple[str, str], list[float]] = {}
+    busiest: dict[tuple[str, str], float] = {}
+    failures = 0
+    try:
+        defaults = Settings()
+        production = {name: getattr(defaults, name) for name in REAL_TIME}
+        fleets = {s: Fleet(scenario, s, SPEED, 1, args.seed, redis_port, workdir, overrides=production).__enter__()
+                  for s in STRATEGIES}
+        for kind in KINDS:  # one warm-up turn each: first requests build clients and caches
+            for strategy in STRATEGIES:
+                _turn(fleets[strategy], kind, min(10, requests))
+        for r in range(rounds):
+            order = STRATEGIES if r % 2 == 0 else STRATEGIES[::-1]
+            for kind in KINDS:
+                for strategy in order:
+                    ms, share, failed = _turn(fleets[strategy], kind, requests)
+                    cpu.setdefault((strategy, kind), []).append(ms)
+                    busiest[(strategy, kind)] = max(busiest.get((strategy, kind), 0.0), share)
+                    failures += failed
+    finally:
+        for fleet in locals().get("fleets", {}).values():
+            fleet.stop()
+        store.stop()
+    print(_table(cpu, busiest))
+    saturated = [key for key, share in busiest.items() if share > SATURATED]
+    if failures or saturated:
+        print(f"refused: {failures} requests failed; saturated turns: {saturated}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _table(cpu: dict[tuple[str, str], list[float]], busiest: dict[tuple[str, str], float]) -> str:
+    head = (f"{'request kind':<14}{'LiteLLM alone ms/req':>22}{'with the plugin ms/req':>24}{'ratio':>8}"
+            f"{'goal <= ' + format(GOAL, '.2f') + 'x':>15}{'busiest worker':>16}")
+    lines = ["proxy CPU per request (every process of the proxy; medians over rounds):", head, "-" * len(head)]
+    for kind in KINDS:
+        alone = statistics.median(cpu[("simple-shuffle", kind)])
+        plugin = statistics.median(cpu[("lora-affinity", kind)])
+        ratio = plugin / alone
+        load = max(busiest[("simple-shuffle", kind)], busiest[("lora-affinity", kind)])
+        lines.append(f"{kind:<14}{alone:>22.1f}{plugin:>24.1f}{ratio:>7.2f}x{'met' if ratio <= GOAL else 'MISSED':>15}"
+                     f"{load:>16.0%}")
+    return "\n".join(lines)
