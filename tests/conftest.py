@@ -54,10 +54,11 @@ def _our_folders() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("lora-affinity-*")}
 
 
-# Under pytest-xdist (README's test command) each module runs whole on one worker: the longest start first,
-# so the two workers finish together.
-_SLOWEST_FIRST = ("test_bench_soak", "test_e2e_host", "test_bench_live", "test_demo", "test_e2e_pooling",
-                  "test_e2e_disconnect", "test_e2e_redis_topologies", "test_e2e_faults")
+# Under pytest-xdist (README's test command) each module runs whole on one worker, in this order
+# (--no-loadscope-reorder): the longest start first, so the two workers finish together.
+_SLOWEST_FIRST = ("test_bench_soak", "test_bench_live", "test_bench_host_cost", "test_demo", "test_e2e_host",
+                  "test_e2e_pooling", "test_e2e_prometheus", "test_e2e_disconnect", "test_e2e_redis_topologies",
+                  "test_e2e_settings", "test_e2e_faults")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -123,3 +123,33 @@ def test_a_bad_hand_written_value_is_refused_and_the_last_good_stays(stack):
     assert all(sheddable_status(p) == 429 for p in stack["ports"])  # still version N's threshold of 3
     assert all("refused live settings" in p.log() for p in stack["proxies"])
     cli(stack, "reset")
+
+
+def test_a_settings_file_is_applied_once_checked_for_drift_and_every_proxy_follows(stack, tmp_path):
+    cli(stack, "reset")
+    wait_all(stack["ports"], 200)
+    wanted = tmp_path / "routing.yaml"
+    wanted.write_text("lora_affinity:\n  queue_threshold_critical: 3\n  model_group_overrides:\n"
+                      "    batch-lora: {rule_set: gie-v0.2}\n")
+    assert cli(stack, "apply", str(wanted), "--check").returncode == 1  # drift: the live values are not the file's
+    out = cli(stack, "apply", str(wanted), "--by", "pipeline")
+    assert out.returncode == 0, out.stderr
+    assert "queue_threshold_critical: 5 -> 3" in out.stdout and "model_group_overrides" in out.stdout
+    assert max(wait_all(stack["ports"], 429)) < 1.0  # every proxy follows within a second
+    version = json.loads(cli(stack, "show", "--json").stdout)["version"]
+    # The same file again changes nothing: no new version, no audit entry; the drift check passes.
+    again = cli(stack, "apply", str(wanted))
+    assert again.returncode == 0 and "no change" in again.stdout
+    assert json.loads(cli(stack, "show", "--json").stdout)["version"] == version
+    assert cli(stack, "apply", str(wanted), "--check").returncode == 0
+    (entry,) = json.loads(cli(stack, "history", "--json", "--count", "1").stdout)
+    assert entry["version"] == version and entry["by"] == "pipeline" and entry["source"] == str(wanted)
+    # A hand change is drift; a bad file is refused with the field named, and nothing changes.
+    cli(stack, "set", "queue_threshold_critical=4")
+    assert cli(stack, "apply", str(wanted), "--check").returncode == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("queue_threshold_critical: -1\nredis_url: redis://elsewhere:6379/0\n")
+    refused = cli(stack, "apply", str(bad))
+    assert refused.returncode == 2 and "nothing changed" in refused.stderr
+    assert "redis_url" in refused.stderr or "queue_threshold_critical" in refused.stderr
+    cli(stack, "reset")

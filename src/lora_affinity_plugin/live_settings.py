@@ -123,8 +123,10 @@ def seed(client: redis.Redis, base: Settings, by: str, force: bool = False) -> b
 
 
 def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
-          if_version: int | None = None) -> tuple[LiveCopy | None, LiveCopy]:
-    """Validate and apply `changes` atomically; raises SettingsError (nothing written) or ConflictError."""
+          if_version: int | None = None, source: str | None = None) -> tuple[LiveCopy | None, LiveCopy]:
+    """Validate and apply `changes` atomically; raises SettingsError (nothing written) or ConflictError.
+
+    `source` (e.g. the file `thresholds apply` read) goes into the audit entry beside the operator."""
     prefix = base.key_prefix
     key = settings_key(prefix)
     with client.pipeline(transaction=True) as pipe:
@@ -142,9 +144,11 @@ def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
             changed_from, changed_to = diff(before, new.values)
             pipe.multi()
             pipe.set(key, new.to_json())
-            pipe.xadd(audit_key(prefix), {"version": new.version, "by": by, "at": new.updated_at,
-                                          "old": json.dumps(changed_from), "new": json.dumps(changed_to)},
-                      maxlen=AUDIT_MAXLEN, approximate=True)
+            entry = {"version": new.version, "by": by, "at": new.updated_at,
+                     "old": json.dumps(changed_from), "new": json.dumps(changed_to)}
+            if source:
+                entry["source"] = source
+            pipe.xadd(audit_key(prefix), entry, maxlen=AUDIT_MAXLEN, approximate=True)
             pipe.execute()
         except redis.WatchError:
             raise ConflictError("another operator changed the settings at the same moment; retry") from None
@@ -162,5 +166,28 @@ def history(client: redis.Redis, prefix: str, count: int = 20) -> list[dict[str,
     for entry_id, fields in client.xrevrange(audit_key(prefix), count=count):
         decoded = {k.decode(): v.decode() for k, v in fields.items()}
         out.append({"id": entry_id.decode(), "version": int(decoded["version"]), "by": decoded["by"],
-                    "at": float(decoded["at"]), "old": json.loads(decoded["old"]), "new": json.loads(decoded["new"])})
+                    "at": float(decoded["at"]), "old": json.loads(decoded["old"]), "new": json.loads(decoded["new"]),
+                    "source": decoded.get("source")})
     return out
+
+
+def read_file(path: str) -> dict[str, Any]:
+    """A settings file for `thresholds apply`: the `lora_affinity:` section of a config.yaml, or that
+    section's body alone. Only live settings may appear (restart-only ones are named in the error)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            body = yaml.safe_load(handle)
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path}: not YAML ({exc})") from None
+    if isinstance(body, dict) and "lora_affinity" in body:
+        body = body["lora_affinity"]
+    if not isinstance(body, dict) or not body:
+        raise SettingsError(f"{path}: expected a mapping of setting names to values (or a `lora_affinity:` section)")
+    return body
+
+
+def drift(live: dict[str, Any], wanted: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The names whose live value is not the file's, with (live, file) values."""
+    return {name: (live.get(name), value) for name, value in wanted.items() if live.get(name) != value}

@@ -1,17 +1,25 @@
 """The plugin's own Prometheus metrics, in prometheus_client's default registry.
 
 Inside the proxy they appear on LiteLLM's `/metrics` when its Prometheus callback is on; the scraper
-serves them with `--metrics-port`.
+serves them with `--metrics-port`. `model_group` is the deployment's `model_name` (a wildcard's
+pattern, not each requested name), so its values are bounded by the proxy's config. The dashboard
+(deploy/grafana/) and the alerts (deploy/prometheus/) query these names: tests/test_e2e_prometheus.py
+proves each of their queries on a real Prometheus.
 """
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-DECISIONS = Counter("lora_affinity_decisions_total", "Routing decisions by rule branch", ["branch"])
-SHEDS = Counter("lora_affinity_shed_total", "Sheddable requests refused with 429 (every pod saturated)")
-NO_CAPACITY = Counter("lora_affinity_no_capacity_total", "Requests refused with 503 (no candidate pod)")
+DECISIONS = Counter("lora_affinity_decisions_total", "Routing decisions by rule branch and model group",
+                    ["branch", "model_group"])
+SHEDS = Counter("lora_affinity_shed_total", "Requests refused with 429 (every pod saturated), by criticality",
+                ["criticality", "model_group"])
+NO_CAPACITY = Counter("lora_affinity_no_capacity_total", "Requests refused with 503 (no candidate pod), by criticality",
+                      ["criticality", "model_group"])
 FALLBACKS = Counter("lora_affinity_fallbacks_total", "Decisions made like simple-shuffle, by cause", ["cause"])
+for _cause in ("no_metrics", "error"):  # exported at 0 from the start: a rate of nothing is 0, not absent
+    FALLBACKS.labels(_cause)
 DECISION_SECONDS = Histogram("lora_affinity_decision_seconds", "Time to choose a pod (plugin's own part)",
                              buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3))
 SNAPSHOT_AGE = Gauge("lora_affinity_snapshot_age_seconds", "Age of the oldest pod record in the proxy's view")
@@ -19,6 +27,15 @@ SETTINGS_VERSION = Gauge("lora_affinity_settings_version", "Version of the live 
 SETTINGS_APPLIED = Counter("lora_affinity_settings_changes_applied_total", "Live settings versions applied")
 SETTINGS_REJECTED = Counter("lora_affinity_settings_rejected_total", "Live settings versions refused as invalid")
 SCRAPE_SECONDS = Histogram("lora_affinity_scrape_duration_seconds", "One scrape cycle over every pod")
-SCRAPE_ERRORS = Counter("lora_affinity_scrape_errors_total", "Pages that could not be read", ["pod"])
+SCRAPE_ERRORS = Counter("lora_affinity_scrape_errors_total",
+                        "Pages that could not be read, by kind: page (unparsable, too big, HTTP error), timeout, "
+                        "connection", ["pod", "kind"])
+SCRAPER_LEADER = Gauge("lora_affinity_scraper_leader", "1 while this scraper process holds the lease (it scrapes), else 0")
+POD_UP = Gauge("lora_affinity_pod_up", "1 when the pod's last page was read and parsed, else 0 (scraper leader)", ["pod"])
+POD_WAITING = Gauge("lora_affinity_pod_requests_waiting", "The pod's waiting requests, last scrape", ["pod"])
+POD_RUNNING = Gauge("lora_affinity_pod_requests_running", "The pod's running requests, last scrape", ["pod"])
+POD_KV = Gauge("lora_affinity_pod_kv_cache_usage", "The pod's KV-cache use (0-1), last scrape", ["pod"])
+POD_ADAPTERS = Gauge("lora_affinity_pod_active_adapters", "Adapters running or waiting on the pod, last scrape", ["pod"])
+POD_MAX_LORA = Gauge("lora_affinity_pod_max_lora", "The pod's --max-loras, when its page says", ["pod"])
 INFLIGHT = Gauge("lora_affinity_inflight_requests", "Requests this process sent to a pod that have not ended", ["pod"])
 INFLIGHT_SWEPT = Counter("lora_affinity_inflight_swept_total", "In-flight entries released by the sweeper (no hook ended them)")

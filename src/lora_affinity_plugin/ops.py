@@ -1,4 +1,4 @@
-"""Operator commands: `thresholds show|set|history|reset`, `status`, `explain`.
+"""Operator commands: `thresholds show|set|apply|history|reset`, `status`, `explain`.
 
 All of them find Redis through `--config` (the proxy's config.yaml, whose `lora_affinity:` section and
 LORA_AFFINITY_* environment give the base settings) or `--redis-url`.
@@ -46,6 +46,12 @@ def add_ops_arguments(sub) -> None:
     setp.add_argument("assignments", nargs="+", metavar="key=value")
     setp.add_argument("--if-version", type=int, help="refuse unless the settings are at this version")
     setp.add_argument("--by", help="who makes the change (default: $LORA_AFFINITY_OPERATOR or the login)")
+    apply = common(th_sub.add_parser("apply", help="make the live settings what a YAML file says (settings as code)"))
+    apply.add_argument("file", help="YAML: a config.yaml's lora_affinity: section, or its body alone")
+    apply.add_argument("--check", action="store_true",
+                       help="change nothing; exit 1 when the live settings differ from the file (drift check)")
+    apply.add_argument("--if-version", type=int, help="refuse unless the settings are at this version")
+    apply.add_argument("--by", help="who applies it (default: $LORA_AFFINITY_OPERATOR or the login)")
     hist = common(th_sub.add_parser("history", help="the audit trail of changes"))
     hist.add_argument("--count", type=int, default=20)
     reset = common(th_sub.add_parser("reset", help="back to the config file's values (a new version)"))
@@ -112,10 +118,13 @@ def run_thresholds(args: argparse.Namespace) -> int:
             _print(args, {"version": new.version, "old": diff_old, "new": diff_new},
                    f"version {new.version}: " + (", ".join(f"{k} {diff_old.get(k)!r} -> {v!r}"
                                                             for k, v in diff_new.items()) or "no change"))
+        elif args.action == "apply":
+            return _apply(args, base, client)
         elif args.action == "history":
             entries = live_settings.history(client, prefix, args.count)
             lines = [f"v{e['version']:<4} {_when(e['at'])}  {e['by']:<16} "
                      + ", ".join(f"{k}: {e['old'].get(k)!r} -> {v!r}" for k, v in e["new"].items())
+                     + (f"  (from {e['source']})" if e.get("source") else "")
                      for e in entries]
             _print(args, entries, "\n".join(lines) or "no changes recorded")
     except SettingsError as exc:
@@ -127,6 +136,33 @@ def run_thresholds(args: argparse.Namespace) -> int:
     except redis.RedisError as exc:
         print(f"error: Redis at {base.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
         return 4
+    return 0
+
+
+def _apply(args: argparse.Namespace, base: Settings, client: redis.Redis) -> int:
+    """Validate the file, show how the live settings differ from it, then (unless --check) apply the
+    difference as one version. Nothing to change writes nothing, so applying a file twice is a no-op."""
+    wanted = live_settings.read_file(args.file)
+    live_settings.apply_live(base, wanted)  # names, types and bounds first: a clear error, nothing written
+    copy = live_settings.read(client, base.key_prefix)
+    live = copy.values if copy else live_settings.live_values(base)
+    version = copy.version if copy else 0
+    differs = live_settings.drift(live, wanted)
+    lines = [f"{name}: {old!r} -> {new!r}" for name, (old, new) in differs.items()]
+    if args.check:
+        _print(args, {"version": version, "in_sync": not differs, "drift": {k: {"live": o, "file": n}
+                                                                         for k, (o, n) in differs.items()}},
+               f"version {version}: " + ("in sync with " + args.file if not differs
+                                         else f"differs from {args.file}:\n  " + "\n  ".join(lines)))
+        return 1 if differs else 0
+    if not differs:
+        _print(args, {"version": version, "old": {}, "new": {}}, f"version {version}: no change ({args.file} is applied)")
+        return 0
+    _, new = live_settings.write(client, base, {k: n for k, (_, n) in differs.items()}, _operator(args),
+                                 args.if_version, source=os.path.abspath(args.file))
+    _print(args, {"version": new.version, "old": {k: o for k, (o, _) in differs.items()},
+                  "new": {k: n for k, (_, n) in differs.items()}},
+           f"version {new.version}, from {args.file}:\n  " + "\n  ".join(lines))
     return 0
 
 

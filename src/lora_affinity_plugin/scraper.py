@@ -21,7 +21,17 @@ from .discovery import model_ids, served_models_key
 from .episodes import Episode
 from .lease import LeaseResult, lease_and_write, worker_id
 from .live_settings import LiveCopy, apply_live, settings_key
-from .metrics import SCRAPE_ERRORS, SCRAPE_SECONDS
+from .metrics import (
+    POD_ADAPTERS,
+    POD_KV,
+    POD_MAX_LORA,
+    POD_RUNNING,
+    POD_UP,
+    POD_WAITING,
+    SCRAPE_ERRORS,
+    SCRAPE_SECONDS,
+    SCRAPER_LEADER,
+)
 from .parsing import MetricsPageError, parse_metrics
 from .scheduling import PodMetrics
 from .settings import Settings, SettingsError
@@ -81,6 +91,9 @@ class Scraper:
         self.settings_version = 0
         self._rejected: bytes | None = None
         self.pods = list(pods)
+        for pod in self.pods:  # at 0 from the start, so an alert's increase() sees the first error too
+            for kind in ("page", "timeout", "connection"):
+                SCRAPE_ERRORS.labels(pod, kind)
         self._parse = parse
         """For vLLM pages: `parse_metrics`; the scrape-scale benchmark swaps in a full parse to compare."""
         self.engines = dict(engines or {})
@@ -105,10 +118,13 @@ class Scraper:
             metrics = self._parse(text) if engine == "vllm" else parse_metrics(text, engine)
             return PodRecord(pod=pod, scraped_at=started, metrics=metrics)
         except MetricsPageError as exc:
+            SCRAPE_ERRORS.labels(pod, "page").inc()
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error=str(exc))
         except asyncio.TimeoutError:
+            SCRAPE_ERRORS.labels(pod, "timeout").inc()
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error="timed out")
         except (aiohttp.ClientError, OSError, ValueError) as exc:
+            SCRAPE_ERRORS.labels(pod, "connection").inc()
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error=f"{type(exc).__name__}: {exc}"[:200])
 
     async def scrape_once(self) -> list[PodRecord]:
@@ -124,8 +140,7 @@ class Scraper:
         records = await asyncio.gather(*(self._scrape_pod(pod) for pod in self.pods))
         self.cycles += 1
         for record in records:
-            if record.error is not None:
-                SCRAPE_ERRORS.labels(record.pod).inc()
+            _export(record)
         stamped = [replace(r, scraper=self.holder) for r in records]
         await self._lease([(pod_key(self.settings, r.pod), r.to_json()) for r in stamped])
         SCRAPE_SECONDS.observe(time.perf_counter() - started)
@@ -165,6 +180,7 @@ class Scraper:
         if result.leader != self.leader:
             logger.info("%s the scraper lease (%s)", "took" if result.leader else "lost", result.holder)
         self.leader, self.holder = result.leader, result.holder
+        SCRAPER_LEADER.set(1 if result.leader else 0)
         if result.settings_raw is not None:
             self._follow_settings(result.settings_raw)
         return result.leader
@@ -207,3 +223,17 @@ class Scraper:
             except Exception:
                 pass
             self._redis = None
+
+
+def _export(record: PodRecord) -> None:
+    """The pod's last scrape as gauges on the scraper's /metrics (what the dashboard shows per pod)."""
+    m = record.metrics
+    POD_UP.labels(record.pod).set(0 if m is None else 1)
+    if m is None:
+        return
+    POD_WAITING.labels(record.pod).set(m.num_requests_waiting)
+    POD_RUNNING.labels(record.pod).set(m.num_requests_running)
+    POD_KV.labels(record.pod).set(m.kv_cache_usage)
+    POD_ADAPTERS.labels(record.pod).set(len(m.running_lora_adapters | m.waiting_lora_adapters))
+    if m.max_lora is not None:
+        POD_MAX_LORA.labels(record.pod).set(m.max_lora)

@@ -106,10 +106,10 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         try:
             deployment = self._choose(model, healthy, request_kwargs, messages)
         except Shed as exc:
-            SHEDS.inc()
+            SHEDS.labels(self._criticality(model, request_kwargs), _group(model, healthy)).inc()
             raise litellm.RateLimitError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
         except NoCapacity as exc:
-            NO_CAPACITY.inc()
+            NO_CAPACITY.labels(self._criticality(model, request_kwargs), _group(model, healthy)).inc()
             raise litellm.ServiceUnavailableError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
         except Exception as exc:  # a plugin bug must never fail a request
             logger.exception("lora-affinity decision failed; falling back")
@@ -168,7 +168,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             if len(self._tried) > _TRIED_CALLS:
                 self._tried.popitem(last=False)
         self.decisions += 1
-        DECISIONS.labels(decision.branch).inc()
+        DECISIONS.labels(decision.branch, _group(model, healthy)).inc()
         return by_pod[decision.pod]
 
     def pooled_client(self, call_kwargs: Mapping[str, Any], call_type: Any) -> Any | None:
@@ -211,6 +211,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if cached is None:
             cached = self._per_group[model] = self.settings.for_group(model)
         return cached
+
+    def _criticality(self, model: str, request_kwargs: Mapping[str, Any]) -> str:
+        return "sheddable" if self._sheddable(model, request_kwargs) else "critical"
 
     def _sheddable(self, model: str, request_kwargs: Mapping[str, Any]) -> bool:
         if model in self.settings.sheddable_model_groups:
