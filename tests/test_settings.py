@@ -104,3 +104,28 @@ def test_sentinel_passwords_are_redacted_too():
     with pytest.raises(SettingsError) as err:
         build_settings({"redis_url": "redis+sentinel://:s3cret@s1/m?sentinel_password=t0p"}, environ={})
     assert "s3cret" not in str(err.value) and "t0p" not in str(err.value)
+
+
+def test_the_configuration_reference_is_generated_from_the_model_and_current():
+    from pathlib import Path
+
+    from lora_affinity_plugin.settings import Settings
+    from lora_affinity_plugin.settings_reference import render
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert page.read_text() == render(), "run: python -m lora_affinity_plugin.settings_reference > docs/configuration.md"
+    for name, field in Settings.model_fields.items():  # every setting documented, with what it does
+        assert f"| `{name}` |" in page.read_text() and field.description, name
+
+
+def test_the_docs_build_with_mkdocs_strict(tmp_path):
+    """No broken link or anchor between the pages (mkdocs.yml: strict, anchors validated)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "site" / "configuration" / "index.html").exists()

@@ -43,38 +43,54 @@ class SettingsError(ValueError):
 class Settings(BaseModel):
     """Routing thresholds, scraping cadence and where Redis lives."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     # Where the shared state lives.
     redis_url: str = "redis://localhost:6379/0"
+    """Where pod records live: `redis://`, `rediss://`, `unix://`, `redis+sentinel://host:port[,host:port]/service[/db]`,
+    `redis+cluster://host:port[,host:port]`; passwords are never logged."""
     key_prefix: str = Field("lora_affinity", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    """Redis keys are `{key_prefix}:...`, so several gateways can share one Redis."""
 
     # Scraping.
     scrape_interval_ms: int = Field(200, ge=10, le=60_000)
+    """How often the scraper reads every `/metrics`, and the proxies refresh their view."""
     scrape_timeout_ms: int = Field(1_000, ge=10, le=60_000)
+    """Per-page fetch timeout."""
     max_page_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Bigger pages mark the pod as failing."""
     metrics_path: str = "/metrics"
+    """The path of each pod's metrics page."""
     metrics_bearer_token: SecretStr | None = None
     """Sent as `Authorization: Bearer ...` to every /metrics (vLLM behind an auth proxy); never logged."""
     embedded_scraper: bool = False
+    """Run the scraper inside the proxy (instead of `lora-affinity scrape`)."""
     scraper_lease_ms: int = Field(1_000, ge=50, le=60_000)
     """Only the holder of this Redis lease scrapes; another worker takes over within two lease periods."""
 
     # Freshness: older metrics make a pod a backup only; past metrics_ttl_ms they are not used at all
     # (and expire from Redis).
     stale_after_ms: int = Field(2_000, ge=10)
+    """Older metrics make a pod a backup, used only when no pod is fresh."""
     metrics_ttl_ms: int = Field(10_000, ge=50)
+    """Records expire; older than this, metrics are not used at all (LiteLLM's shuffle decides)."""
     dispatch_lag_ms: int = Field(50, ge=0, le=10_000)
     """A request sent this long before a scrape may not have reached the server yet: keep counting it."""
 
     # The endpoint picker's v0.2 thresholds (same names and defaults).
     queueing_threshold_lora: int = Field(128, ge=0)
+    """The low-queue filter: pods with fewer waiting requests than this."""
     lora_affinity_threshold: float = Field(0.999, ge=0.0, le=1.0)
+    """gie-v0.2: the probability of preferring pods running the adapter."""
     kv_cache_threshold: float = Field(0.8, ge=0.0, le=1.0)
+    """Sheddable requests: only pods whose KV-cache use is at most this."""
     queue_threshold_critical: int = Field(5, ge=0)
+    """Sheddable requests: only pods with at most this many waiting requests (else 429)."""
 
     # Which rule tree runs, and our additions to it.
     rule_set: RuleSet = "lora-affinity"
+    """The rule tree: ours, `lora-affinity-v1` (the previous one), `gie-v0.2` (the endpoint picker's,
+    unchanged), or the peers' `llmd-prefix` and `sglang-cache-aware`, kept as references."""
     spill_queue_margin: int = Field(16, ge=0)
     """lora-affinity rules: spill an adapter to another pod once all its pods carry this many more
     requests than the least-loaded pod (a bigger batch is almost free; another adapter is not)."""
@@ -84,7 +100,8 @@ class Settings(BaseModel):
     disabled_rules: list[RuleName] = Field(default_factory=list)
     """Filters to skip (each passes its input on); the order of the others is the rule set's."""
     model_group_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    """Per model group, any of GROUP_SETTINGS, e.g. {"batch-lora": {"rule_set": "gie-v0.2"}}."""
+    """Per model group (a deployment's `model_name`), any of the settings marked *live, per group*, e.g.
+    `{batch-lora: {rule_set: gie-v0.2}}`."""
 
     count_dispatches: bool = True
     """Add requests sent since a pod's last scrape to its queue (stops herding on one snapshot)."""
@@ -100,14 +117,17 @@ class Settings(BaseModel):
     shedding: bool = True
     """Off: sheddable requests are served like critical ones (never 429)."""
     sheddable_model_groups: list[str] = Field(default_factory=list)
+    """Model groups whose every request is sheddable."""
     list_served_models: bool = True
     """The proxy's /v1/models adds what the pods' /v1/models list (read by the scraper every models_refresh_ms)."""
     models_refresh_ms: int = Field(30_000, ge=1_000, le=3_600_000)
+    """How often the scraper reads the pods' `/v1/models`."""
     default_engine: Literal["vllm", "sglang", "trtllm"] = "vllm"
     """The model server of pods whose deployments name none (`model_info: {engine: sglang}`)."""
     pooled_clients: bool = True
     """Hand text completions to the pods the plugin routes a client over one pool (LiteLLM opens a connection per call)."""
     adapter_info_key: str = "lora_adapter"
+    """`model_info` key naming a deployment's adapter explicitly."""
 
     # Routing for KV reuse (prefix_index.py): what each pod's cache should already hold.
     prefix_affinity: bool = True
@@ -128,7 +148,6 @@ class Settings(BaseModel):
     """Index entries unused this long are dropped."""
     share_prefixes: bool = True
     """Each proxy's new index entries reach its peers in the refresh it already makes."""
-    """model_info key naming a deployment's adapter explicitly."""
 
     @field_validator("redis_url")
     @classmethod
