@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis as redis_client
 from fake_pods import BASE_MODEL
+from lora_affinity_plugin.store import PodRecord
 from procs import (
     MASTER_KEY,
     Proc,
@@ -28,7 +30,7 @@ from procs import (
 )
 
 SCRAPE_S = 0.1
-SETTLE_S = 0.5  # a few scrape + refresh intervals
+SETTLE_S = 0.5  # a few scrape + refresh intervals, when Redis cannot be asked
 
 
 class Stack:
@@ -41,10 +43,25 @@ class Stack:
         return f"http://127.0.0.1:{self.pods[i]}"
 
     def script(self, *states: dict) -> None:
+        """Set the pods' metrics, then wait until the proxy can have read them: every pod's record in Redis
+        scraped after the change, then as long again (at least 3 refreshes) for the proxy's refresh. On a busy
+        machine the scraper's lag, measured here, sets the wait, not a constant."""
         for i, state in enumerate(states):
             self.http.post(self.pod_url(i) + "/_control/metrics", json=state).raise_for_status()
             self.http.post(self.pod_url(i) + "/_control/reset").raise_for_status()
-        time.sleep(SETTLE_S)
+        changed = time.time()
+        try:
+            client = redis_client.Redis(port=self.redis_port, socket_timeout=1)
+            while time.time() - changed < 15:
+                keys = client.keys("{lora_affinity}:pod:*")
+                records = [PodRecord.from_json(raw) for raw in client.mget(keys)] if keys else []
+                if len(records) >= len(self.pods) and all(r.scraped_at >= changed for r in records):
+                    break
+                time.sleep(SCRAPE_S / 4)
+            lag = time.time() - changed
+        except redis_client.RedisError:
+            lag = SETTLE_S
+        time.sleep(max(3 * SCRAPE_S, lag))
 
     def served(self) -> Counter:
         counts: Counter = Counter()

