@@ -7,13 +7,13 @@ from procs import run_cli as run
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    stdout = run(["demo", "--requests", "120", "--speed", "20", "--out", str(tmp_path)], timeout=400)
+    stdout = run(["demo", "--requests", "120", "--speed", "20", "--gateways", "1", "--out", str(tmp_path)], timeout=400)
     assert "Redis: redis-server" in stdout
     assert "simple-shuffle" in stdout and "lora-affinity completed" in stdout
     rows = json.loads((tmp_path / "demo.json").read_text())
     assert [r["strategy"] for r in rows] == ["simple-shuffle", "lora-affinity"]
     # The proxies' load is measured and reported: what each sustained, its busiest worker, CPU per request.
-    assert "Proxy load (2 proxies per strategy" in stdout
+    assert "Proxy load (1 per strategy" in stdout
     for r in rows:
         t = r["transport"]
         assert t["proxy_requests_per_s"] > 0 and 0 < t["proxy_busiest_worker"] and t["proxy_cpu_ms_per_request"] > 0

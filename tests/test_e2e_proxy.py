@@ -100,6 +100,14 @@ def stack(tmp_path_factory):
         procs["proxy"] = litellm_proxy(config, proxy_port, tmp, env=child_env(LORA_AFFINITY_LOG_LEVEL="DEBUG"))
         s = Stack(tmp, redis, redis_port, pods, proxy_port, procs)
         s.script({}, {}, {})
+        # A proxy routes by metrics once its plugin is installed and has read a snapshot; until then (the
+        # first moments after start, longer on a busy machine) LiteLLM picks. Warm up until a decision is
+        # logged, so every test measures the rules.
+        deadline = time.monotonic() + 60
+        while ") among [" not in procs["proxy"].log() and time.monotonic() < deadline:
+            s.complete("warm-up")
+            time.sleep(SCRAPE_S)
+        assert ") among [" in procs["proxy"].log(), "the plugin never routed a request"
         yield s
     finally:
         for proc in procs.values():

@@ -48,7 +48,7 @@ def stack(tmp_path_factory):
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         procs.append(Proc("scraper", CLI + ["scrape", "--config", str(path)], tmp))
-        ports = [free_port() for _ in range(3)]
+        ports = [free_port() for _ in range(2)]  # two replicas show "every replica follows"
         proxies = [start_litellm_proxy(path, port, tmp, f"proxy-{i}") for i, port in enumerate(ports)]
         procs += proxies
         for proc, port in zip(proxies, ports):

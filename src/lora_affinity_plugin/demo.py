@@ -72,7 +72,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\nAt {speed:g}x: lora-affinity completed {plugin.completed} vs {shuffle.completed} requests and "
           f"{plugin.output_tokens_per_s / max(shuffle.output_tokens_per_s, 1e-9):.2f}x the output tokens/s of "
           "simple-shuffle on the same simulated GPUs.")
-    print(f"Proxy load ({args.gateways} proxies per strategy, saturated above 85% of a core): "
+    print(f"Proxy load ({args.gateways} per strategy, saturated above 85% of a core): "
           + "; ".join(f"{r.strategy} {_load(r)}" for r in results))
     write_json(results, f"{args.out}/demo.json")
     chart = write_chart(results, f"{args.out}/demo.png", "lora-affinity demo: seed scenario, live")
