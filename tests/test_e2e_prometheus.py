@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, litellm_proxy, lora_affinity, proxy_config
+from procs import CLI, MASTER_KEY, Proc, child_env, free_port, free_port_range, litellm_proxy, lora_affinity, proxy_config
 from procs import redis_server, wait_port
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -69,8 +69,10 @@ def stack(tmp_path_factory):
                                          f"--storage.tsdb.path={tmp / 'tsdb'}",
                                          f"--web.listen-address=127.0.0.1:{prom_port}"], tmp))
         wait_port(prom_port)
+        load = _load(f"http://127.0.0.1:{proxy_port}", path)
+        _scraped_since(f"http://127.0.0.1:{prom_port}", time.time() + 0.5)
         yield {"proxy": f"http://127.0.0.1:{proxy_port}", "prometheus": f"http://127.0.0.1:{prom_port}",
-               "config": path, "load": _load(f"http://127.0.0.1:{proxy_port}", path)}
+               "config": path, "load": load}
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -85,8 +87,8 @@ def _complete(proxy: str, i: int, *, sheddable: bool = False, tokens: int = 8) -
 
 
 def _thresholds(config: Path, *words: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "lora_affinity_plugin.cli", "thresholds", *words, "--config",
-                          str(config)], capture_output=True, text=True, env=child_env(), timeout=60)
+    out = subprocess.run(CLI + ["thresholds", *words, "--config", str(config)], capture_output=True, text=True,
+                         env=child_env(), timeout=60)
     assert out.returncode == 0, out.stderr
 
 
@@ -103,8 +105,19 @@ def _load(proxy: str, config: Path) -> dict[int, int]:
         statuses += [_complete(proxy, i, sheddable=True) for i in range(6)]
         statuses += [f.result() for f in long]
         _thresholds(config, "reset")
-    time.sleep(4)  # a few of Prometheus' 1 s scrapes after the last request
     return {code: statuses.count(code) for code in set(statuses)}
+
+
+def _scraped_since(prometheus: str, since: float, timeout: float = 60) -> None:
+    """Until Prometheus has scraped every target after `since` (however slowly this machine runs)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = httpx.get(prometheus + "/api/v1/query", params={"query": "timestamp(up == 1)"}, timeout=10).json()
+        stamps = [float(r["value"][1]) for r in body["data"]["result"]]
+        if len(stamps) == 4 and min(stamps) > since:  # the proxy, the scraper, two replicas
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"Prometheus did not scrape every target after the load: {body}")
 
 
 def query(stack, expr: str) -> list[dict]:

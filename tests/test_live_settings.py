@@ -121,3 +121,22 @@ def test_follower_refuses_a_bad_hand_written_value_and_keeps_the_last_good(raw):
     assert SETTINGS_REJECTED._value.get() == rejected + 1
     follower._follow_settings(good(10, kv_cache_threshold=0.5))  # a later good version still applies
     assert follower.applied_version == 10 and applied[-1].kv_cache_threshold == 0.5
+
+
+def test_a_settings_file_that_cannot_be_applied_is_named_with_why(tmp_path):
+    import pytest
+
+    from lora_affinity_plugin.live_settings import read_file
+    from lora_affinity_plugin.settings import SettingsError
+
+    cases = {"missing.yaml": None, "broken.yaml": "queue_threshold_critical: [3\n", "empty.yaml": "",
+             "list.yaml": "- queue_threshold_critical: 3\n"}
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SettingsError, match=name):
+            read_file(str(path))
+    section = tmp_path / "section.yaml"
+    section.write_text("lora_affinity:\n  kv_cache_threshold: 0.7\n")
+    assert read_file(str(section)) == {"kv_cache_threshold": 0.7}

@@ -265,10 +265,7 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
             return _by_prefix(pods, request, settings, run, "base_model")
         return _least(pods, run, "base_model")
 
-    adapter = request.adapter
-    fleet_min = min(p.load for p in pods)
-    holders = [p for p in pods if adapter in p.active_adapters]
-    roomy = [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin]
+    holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings)
     if long_prompt:
         roomy += _warm_for_adapter(pods, holders, roomy, fleet_min, request, settings)
     if roomy:
@@ -279,6 +276,14 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         return _by_prefix(pods, request, settings, run, "affinity")
 
     return _place_adapter(pods, holders, request, settings, run, by_prefix=long_prompt)
+
+
+def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings
+                     ) -> tuple[list[Candidate], list[Candidate], int]:
+    """Pods running `adapter`, those of them within spill_queue_margin of the least loaded pod, and that load."""
+    fleet_min = min(p.load for p in pods)
+    holders = [p for p in pods if adapter in p.active_adapters]
+    return holders, [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin], fleet_min
 
 
 def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: RouteRequest, settings: Settings,
@@ -380,10 +385,7 @@ def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Se
     if request.adapter is None:
         return _least(pods, run, "base_model")
 
-    adapter = request.adapter
-    fleet_min = min(p.load for p in pods)
-    holders = [p for p in pods if adapter in p.active_adapters]
-    roomy = [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin]
+    holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings)
     if roomy:
         return _least(run.apply("adapter_active", pods, roomy), run, "affinity")
 
