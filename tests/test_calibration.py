@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from lora_affinity_plugin.bench.scenarios import SCENARIOS
-from lora_affinity_plugin.sim.fast import run_fast
+from lora_affinity_plugin.bench.fast import run_fast
 
 SEEDS = (1, 2, 3)
 

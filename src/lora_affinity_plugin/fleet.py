@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+from .cost import DEFAULT_RATES
 from .inflight import Dispatch, InFlight, PeerShare
 from .prefix_index import PrefixIndex
 from .prefixes import placement_key, prompt_prefix
@@ -161,6 +162,7 @@ class FleetView:
             resident_adapters=resident,
             max_lora=metrics.max_lora,
             reported_waiting=metrics.num_requests_waiting,
+            rates=state.record.rates or DEFAULT_RATES,
         )
 
     def _memory(self, max_lora: int | None) -> int:

@@ -10,11 +10,30 @@ import math
 import re
 
 from .engines import ENGINES, EngineProfile
+from .rates import PodCounters
 from .scheduling import PodMetrics
 
 _LORA_INFO = "vllm:lora_requests_info"
 _LORA_LOADED = "vllm:lora_adapter_loaded"
-_WANTED = {name: (*p.families, *((_LORA_INFO, _LORA_LOADED) if p.adapter_names else ()))
+_COUNTERS = {
+    "vllm:request_prefill_time_seconds_sum": "prefill_time_sum",
+    "vllm:request_prefill_time_seconds_count": "prefill_time_count",
+    "vllm:request_queue_time_seconds_sum": "queue_time_sum",
+    "vllm:request_queue_time_seconds_count": "queue_time_count",
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:time_per_output_token_seconds_sum": "itl_sum",  # the name before vLLM 0.10
+    "vllm:time_per_output_token_seconds_count": "itl_count",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:gpu_prefix_cache_hits_total": "prefix_hits",  # the name before vLLM 0.10
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:request_success_total": "requests_finished",
+}
+"""vLLM's histogram sums and counts and token counters (`rates.py` learns each pod's speeds from them)."""
+_WANTED = {name: (*p.families, *((_LORA_INFO, _LORA_LOADED, *_COUNTERS) if p.adapter_names else ()))
            for name, p in ENGINES.items()}
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -106,6 +125,7 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
     loaded: set[str] = set()
     model_names: set[str] = set()
     block_size = num_gpu_blocks = lora_slots = None
+    counters: dict[str, float] = {}
 
     for line in text.splitlines():
         if not line.startswith(wanted):
@@ -139,6 +159,10 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
         elif name == profile.lora_slots:
             if math.isfinite(value) and 0 <= value <= 1024:
                 lora_slots = int(value)
+        elif name in _COUNTERS:
+            if math.isfinite(value) and value >= 0:  # a bad counter costs its rate, not the pod
+                field = _COUNTERS[name]
+                counters[field] = counters.get(field, 0.0) + value
 
     if not running and not waiting:
         raise MetricsPageError(f"not a {profile.title} metrics page: neither {profile.running} nor {profile.waiting} found")
@@ -160,6 +184,7 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
         num_gpu_blocks=num_gpu_blocks,
         model_names=frozenset(model_names),
         engine=engine,
+        counters=PodCounters(**counters) if counters else None,
     )
 
 

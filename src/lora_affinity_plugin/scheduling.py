@@ -20,7 +20,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from .cost import ADAPTER_LOAD_S, ADAPTER_STEP_SHARE, PREFILL_S_PER_TOKEN, DEFAULT_RATES, CostParts, PodRates, estimate
 from .prefixes import rendezvous
+from .rates import PodCounters
 from .settings import Settings
 
 
@@ -42,6 +44,8 @@ class PodMetrics:
     """Base models the server reports (`model_name` labels): a request for one of them uses no adapter."""
     engine: str = "vllm"
     """The model server whose metric names the page used (`engines.ENGINES`)."""
+    counters: PodCounters | None = None
+    """Histogram sums and counts, token counters: the scraper learns the pod's rates from their deltas."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,8 @@ class Candidate:
     max_lora: int | None = None
     reported_waiting: int = 0
     """The queue the pod itself reported at its last scrape (`waiting` adds the dispatches since)."""
+    rates: PodRates = DEFAULT_RATES
+    """The pod's learned speeds (`rates.py`), which the cost estimate (`cost.py`) uses."""
 
     @property
     def load(self) -> int:
@@ -93,6 +99,8 @@ class Decision:
     pod: str
     branch: str
     trace: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    costs: dict[str, CostParts] = field(default_factory=dict)
+    """Explaining a `lora-affinity` decision: each candidate's estimated cost, part by part."""
 
 
 class SchedulingError(Exception):
@@ -114,7 +122,7 @@ class NoCapacity(SchedulingError):
 class _Run:
     """One decision in progress: applies fail-open filters and records them when explaining."""
 
-    __slots__ = ("rng", "trace", "disabled", "width", "key")
+    __slots__ = ("rng", "trace", "disabled", "width", "key", "costs", "considered")
 
     def __init__(self, rng: random.Random, explain: bool, settings: Settings, key: int | None = None) -> None:
         self.rng = rng
@@ -122,6 +130,9 @@ class _Run:
         self.disabled = settings.disabled_rules
         self.width = settings.band_width
         self.key = key
+        self.costs: dict[str, CostParts] = {}
+        self.considered: list[Candidate] = []
+        """The candidates the decision started from (explaining only): each one's cost is shown."""
 
     def apply(self, name: str, pods: list[Candidate], kept: list[Candidate]) -> list[Candidate]:
         """Fail open: a filter that leaves nobody (or is disabled) passes its input on."""
@@ -139,7 +150,7 @@ class _Run:
             chosen = max(pods, key=lambda p: rendezvous(key, p.key))
         else:
             chosen = pods[self.rng.randrange(len(pods))]
-        return Decision(chosen.key, branch, self.trace or [])
+        return Decision(chosen.key, branch, self.trace or [], self.costs)
 
 
 def least_band_int(values: Sequence[int], width: float = 1.0) -> int:
@@ -181,6 +192,8 @@ def choose_pod(
     if not pods:
         raise NoCapacity("no candidate pods for this model")
     run = _Run(rng, explain, settings, request.placement_key)
+    if explain:
+        run.considered = pods
     if request.sheddable and settings.shedding:
         pods = _sheddable_capacity(pods, settings, run)
     if settings.rule_set == "gie-v0.2":
@@ -255,7 +268,10 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
        whole generations; a prefill costs tens to hundreds of ms.
     3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes where the caches
        hold least (it will stay where it lands).
-    4. Least load, least KV use; gateways agree on new placements by rendezvous rank.
+    4. Least load; then least estimated cost in seconds (`cost.py`: the wait for the queue ahead, loading
+       the adapter, prefilling what the pod does not hold, at each pod's learned speed, and the harm to
+       others), which sends less to a slow pod; least KV use; gateways agree on new placements by
+       rendezvous rank.
     """
     low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
     pods = run.apply("low_queue", pods, low_queue)
@@ -263,7 +279,7 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     if request.adapter is None:
         if long_prompt:
             return _by_prefix(pods, request, settings, run, "base_model")
-        return _least(pods, run, "base_model")
+        return _cheapest(pods, request, settings, run, "base_model")
 
     holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings)
     if long_prompt:
@@ -271,11 +287,11 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     if roomy:
         pods = run.apply("adapter_active", pods, roomy)
         if not long_prompt:
-            return _least(pods, run, "affinity")
+            return _cheapest(pods, request, settings, run, "affinity")
         pods = run.apply("least_load", pods, _least_load(pods, run.width))  # the prefix then chooses within the band
         return _by_prefix(pods, request, settings, run, "affinity")
 
-    return _place_adapter(pods, holders, request, settings, run, by_prefix=long_prompt)
+    return _place_adapter(pods, holders, request, settings, run, by_prefix=long_prompt, costed=True)
 
 
 def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings
@@ -287,7 +303,7 @@ def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings
 
 
 def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: RouteRequest, settings: Settings,
-                   run: _Run, by_prefix: bool) -> Decision:
+                   run: _Run, by_prefix: bool, costed: bool = False) -> Decision:
     """Place (or spill) the adapter where it adds the least contention: dealt to it among peers, a pod that
     still holds it, a free slot, the fewest distinct adapters; `by_prefix` then lets the prompt's prefix
     choose among those (the `lora-affinity-v1` reference places without it)."""
@@ -316,6 +332,8 @@ def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: Rou
     pods = run.apply("fewest_adapters", pods, [p for p in pods if len(p.active_adapters) == fewest])
     if by_prefix:
         pods, _ = _prefix_filters(pods, request, settings, run)
+    if costed:
+        return _cheapest(pods, request, settings, run, branch, agree=True)
     pods = run.apply("least_load", pods, _least_load(pods, run.width))
     pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
     return run.pick(pods, branch, agree=True)
@@ -343,6 +361,55 @@ def _least(pods: list[Candidate], run: _Run, branch: str) -> Decision:
     return run.pick(pods, branch)
 
 
+def _cheapest(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str,
+              agree: bool = False) -> Decision:
+    """Step 4: least load; the least estimated cost (pods within `cost_band_ms` or `cost_band_ratio` of it are
+    equal); least KV use; one of the equals."""
+    pods = run.apply("least_load", pods, _least_load(pods, run.width))
+    if run.trace is not None:
+        best_match = max(request.prefix_matches.values(), default=0)
+        run.costs = {p.key: cost_parts(p, request, settings, best_match) for p in run.considered}
+    if len(pods) > 1:
+        best_match = max(request.prefix_matches.values(), default=0)
+        totals = [_cost_s(p, request, settings, best_match) for p in pods]
+        least = min(totals)
+        edge = max(least + settings.cost_band_ms / 1000, least * (1 + settings.cost_band_ratio))
+        pods = run.apply("least_cost", pods, [p for p, total in zip(pods, totals) if total <= edge])
+    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
+    return run.pick(pods, branch, agree)
+
+
+def _cost_s(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> float:
+    """`cost.estimate(...).total_s`, inlined: this runs for every candidate of every request."""
+    rates = p.rates
+    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    held = request.prefix_matches.get(p.key, 0)
+    total = rates.prefill_s((request.prefix_blocks - held) * tokens_per_block)
+    if best_match > held:  # a second copy of what another pod holds evicts as much of someone else's
+        total += rates.prefill_factor * PREFILL_S_PER_TOKEN * (best_match - held) * tokens_per_block
+    if p.waiting or p.running:
+        queued = min(p.reported_waiting, p.waiting)
+        total += (queued * rates.queue_s_per_request + (p.waiting - queued) * rates.prefill_s(0)
+                  + rates.decode_step_s / 2)
+    adapter = request.adapter
+    if adapter is not None and adapter not in p.active_adapters:
+        if adapter not in p.resident_adapters:
+            total += ADAPTER_LOAD_S
+        if p.active_adapters:
+            total += p.running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2
+    return total
+
+
+def cost_parts(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> CostParts:
+    """The estimate for one candidate, part by part (for `explain`; `_cost_s` is its total, inlined)."""
+    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    held = request.prefix_matches.get(p.key, 0)
+    return estimate(waiting=p.waiting, queued=min(p.reported_waiting, p.waiting), running=p.running, rates=p.rates,
+                    prompt_tokens=int(request.prefix_blocks * tokens_per_block),
+                    cached_tokens=int(held * tokens_per_block),
+                    duplicated_tokens=int(max(0, best_match - held) * tokens_per_block),
+                    adapter=request.adapter, active=p.active_adapters, resident=p.resident_adapters)
+
 def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings,
                     run: _Run) -> tuple[list[Candidate], bool]:
     """Among pods the adapter rules allow: the longest match (not far busier), else the emptiest caches.
@@ -358,13 +425,11 @@ def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Sett
 def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str) -> Decision:
     """Steps 3-4 for a long prompt: a match is named `prefix`, an unseen base-model prompt `new_prefix`."""
     pods, matched = _prefix_filters(pods, request, settings, run)
-    pods = run.apply("least_load", pods, _least_load(pods, run.width))
-    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
     if matched:
-        return run.pick(pods, "prefix", agree=True)
-    if branch == "base_model":  # a new prefix: gateways agree where it lands
-        return run.pick(pods, "new_prefix", agree=True)
-    return run.pick(pods, branch, agree=True)
+        branch = "prefix"
+    elif branch == "base_model":  # a new prefix: gateways agree where it lands
+        branch = "new_prefix"
+    return _cheapest(pods, request, settings, run, branch, agree=True)
 
 
 def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:

@@ -33,6 +33,7 @@ from .metrics import (
     SCRAPER_LEADER,
 )
 from .parsing import MetricsPageError, parse_metrics
+from .rates import RateTracker
 from .scheduling import PodMetrics
 from .settings import Settings, SettingsError
 from .store import PodRecord, connect, pod_key
@@ -106,6 +107,8 @@ class Scraper:
         self.holder: str | None = None
         self.cycles = 0
         self._next_models = 0.0
+        self.rates = RateTracker()
+        """Each pod's speeds, learned from the deltas of its histograms between this worker's scrapes."""
 
     async def _scrape_pod(self, pod: str) -> PodRecord:
         started = time.time()
@@ -116,7 +119,10 @@ class Scraper:
                                           self.settings.scrape_timeout_ms / 1000)
             engine = self.engines.get(pod, self.settings.default_engine)
             metrics = self._parse(text) if engine == "vllm" else parse_metrics(text, engine)
-            return PodRecord(pod=pod, scraped_at=started, metrics=metrics)
+            rates = self.rates.observe(pod, metrics.counters, started)
+            # The counters served their purpose here; the record carries what they taught.
+            return PodRecord(pod=pod, scraped_at=started, metrics=replace(metrics, counters=None),
+                             rates=rates if rates.learned else None)
         except MetricsPageError as exc:
             SCRAPE_ERRORS.labels(pod, "page").inc()
             return PodRecord(pod=pod, scraped_at=started, metrics=None, error=str(exc))

@@ -29,10 +29,10 @@ ENV_PREFIX = "LORA_AFFINITY_"
 RuleSet = Literal["lora-affinity", "lora-affinity-v1", "gie-v0.2", "llmd-prefix", "sglang-cache-aware"]
 RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_lora", "least_kv", "least_load",
                    "adapter_active", "resident", "free_slot", "fewest_adapters", "prefix_match",
-                   "fewest_prefixes", "roomy", "dealt"]
+                   "fewest_prefixes", "roomy", "dealt", "least_cost"]
 # Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
 GROUP_SETTINGS = ("queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
-                  "rule_set", "spill_queue_margin", "band_width", "disabled_rules", "shedding",
+                  "rule_set", "spill_queue_margin", "cost_band_ms", "cost_band_ratio", "band_width", "disabled_rules", "shedding",
                   "prefix_affinity", "prefix_queue_margin", "prefix_queue_ratio", "prefix_min_blocks")
 
 
@@ -94,6 +94,12 @@ class Settings(BaseModel):
     spill_queue_margin: int = Field(16, ge=0)
     """lora-affinity rules: spill an adapter to another pod once all its pods carry this many more
     requests than the least-loaded pod (a bigger batch is almost free; another adapter is not)."""
+
+    cost_band_ms: int = Field(20, ge=0, le=60_000)
+    """lora-affinity: among the least loaded pods the rules allow, those whose estimated cost in seconds
+    (`explain` shows it: wait, adapter load, prefill, harm to others) is within this of the least are equal."""
+    cost_band_ratio: float = Field(0.25, ge=0.0, le=10.0)
+    """...or within this share of the least (estimates from measured rates carry noise of about this much)."""
 
     band_width: float = Field(1.0, ge=0.0, le=100.0)
     """Width of the "least" bands in units of (max - min) / N: 1 is the endpoint picker's, 0 keeps only the minimum."""

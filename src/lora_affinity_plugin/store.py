@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from .connection import async_client
+from .cost import PodRates
+from .rates import PodCounters
 from .scheduling import PodMetrics
 from .settings import Settings
 
@@ -28,6 +30,8 @@ class PodRecord:
     error: str | None = None
     scraper: str | None = None
     """`worker#token` of the scraper that wrote it."""
+    rates: PodRates | None = None
+    """The pod's speeds as the scraper learned them from its histograms (None: not learned)."""
 
     @property
     def ok(self) -> bool:
@@ -45,6 +49,8 @@ class PodRecord:
                 if isinstance(value, frozenset):
                     metrics[key] = sorted(value)
             body["metrics"] = metrics
+        if self.rates is not None:
+            body["rates"] = self.rates.to_dict()
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -54,9 +60,25 @@ class PodRecord:
         if metrics is not None:
             for key in ("running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "model_names"):
                 metrics[key] = frozenset(metrics.get(key) or ())
+            counters = metrics.get("counters")
+            metrics["counters"] = PodCounters(**counters) if counters else None
             metrics = PodMetrics(**metrics)
+        rates = body.get("rates")
         return cls(pod=body["pod"], scraped_at=float(body["scraped_at"]), metrics=metrics, error=body.get("error"),
-                   scraper=body.get("scraper"))
+                   scraper=body.get("scraper"), rates=_rates(rates) if rates else None)
+
+
+def _rates(body: dict[str, Any]) -> PodRates:
+    """Rates from a record: bounded here too (records may come from any scraper)."""
+    def bounded(name: str, low: float, high: float, default: float) -> float:
+        value = float(body.get(name, default))
+        return min(max(value, low), high) if value == value else default
+
+    base = PodRates()
+    return PodRates(bounded("prefill_factor", 0.05, 100.0, base.prefill_factor),
+                    bounded("decode_step_s", 1e-4, 10.0, base.decode_step_s),
+                    bounded("queue_s_per_request", 1e-4, 60.0, base.queue_s_per_request),
+                    bounded("mean_output_tokens", 1.0, 1e6, base.mean_output_tokens), bool(body.get("learned")))
 
 
 def pod_key(settings: Settings, pod: str) -> str:

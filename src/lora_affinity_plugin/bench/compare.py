@@ -12,7 +12,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from ..sim.policies import STRATEGY_NAMES
+from .policies import STRATEGY_NAMES
 from .results import (
     Result,
     format_table,
@@ -111,7 +111,7 @@ def _run_fast(scenario, strategies: list[str], args: argparse.Namespace, gateway
               merge: Callable[[list[Result]], Result] = median_result, desc: str = "fast mode",
               overrides: dict | None = None) -> list[Result]:
     """Each strategy over --seeds seeds in fast mode, merged into one row by `merge`."""
-    from ..sim.fast import run_fast
+    from .fast import run_fast
 
     seeds = range(args.seed, args.seed + max(1, args.seeds))
     results = []

@@ -13,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..sim.policies import PREFIX_STRATEGIES
+from .policies import PREFIX_STRATEGIES
 from .results import Result, refusal, write_json
 from .scenarios import Scenario, at_rate, get_scenario
 

@@ -33,7 +33,7 @@ from ..processes import (
     wait_port,
     wait_proxy,
 )
-from ..sim.policies import RULE_SETS
+from .policies import RULE_SETS
 from .loadgen import run_load
 from .open_loop import run_open_loop
 from .prefix_workloads import PrefixWorkload

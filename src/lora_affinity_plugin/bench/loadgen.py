@@ -16,7 +16,7 @@ from typing import Callable
 
 import aiohttp
 
-from ..sim.fast import Request, workload
+from .fast import Request, workload
 from .results import RequestOutcome
 
 CLIENT_KEEPALIVE_S = 4.0

@@ -53,6 +53,10 @@ class Scenario:
     """LoRA scenarios: seed | unique | instruction | mix (bench/prompt_shapes.py)."""
     prompt_chars: int = 1500
     """Characters of a unique text or an instruction."""
+    profiles: str = ""
+    """Replicas of different speeds and sizes, as `lora-affinity sim --replica-profiles` takes them."""
+    slowdown: tuple[float, int, float] | None = None
+    """(at simulated second, replica, new speed): a replica that throttles mid-run."""
 
     @property
     def open_loop(self) -> bool:

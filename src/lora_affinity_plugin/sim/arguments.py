@@ -37,7 +37,35 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn off automatic prefix caching (on by default, as in vLLM's V1 engine)")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="context length: a longer prompt + max_tokens gets HTTP 400, as from vLLM")
+    parser.add_argument("--replica-profiles", default="",
+                        help="replicas of different speeds and sizes: profiles separated by ';', each "
+                             "KEY=VALUE,... of " + ", ".join(PROFILE_KEYS) + ", dealt to the replicas in turn, "
+                             "e.g. 'speed=1;speed=0.5,kv_blocks=350' (half the replicas at half speed and cache)")
     parser.set_defaults(func=_run_sim)
+
+
+PROFILE_KEYS = {"speed": float, "kv_blocks": int, "max_loras": int, "max_num_seqs": int}
+"""What a replica profile may set (EngineConfig fields)."""
+
+
+def parse_profiles(spec: str) -> list[dict]:
+    """`'speed=1;speed=0.5,kv_blocks=350'` -> [{'speed': 1.0}, {'speed': 0.5, 'kv_blocks': 350}]."""
+    profiles = []
+    for part in filter(None, (p.strip() for p in (spec or "").split(";"))):
+        profile = {}
+        for item in filter(None, (i.strip() for i in part.split(","))):
+            key, sep, raw = item.partition("=")
+            if not sep or key not in PROFILE_KEYS:
+                raise SystemExit(f"--replica-profiles: {item!r} is not KEY=VALUE with KEY one of {', '.join(PROFILE_KEYS)}")
+            try:
+                value = PROFILE_KEYS[key](raw)
+            except ValueError:
+                raise SystemExit(f"--replica-profiles: {key}={raw!r} is not a number") from None
+            if value <= 0 or key == "speed" and value > 100:
+                raise SystemExit(f"--replica-profiles: {key} must be positive" + (" and at most 100" if key == "speed" else ""))
+            profile[key] = value
+        profiles.append(profile)
+    return profiles
 
 
 def _run_sim(args: argparse.Namespace) -> int:

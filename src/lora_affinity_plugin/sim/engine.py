@@ -35,6 +35,44 @@ class EngineConfig:
     min_output_tokens: int = 1
     prefix_caching: bool = True
     max_model_len: int = 4096
+    speed: float = 1.0
+    """Relative to the reference GPU: 0.5 takes twice as long for every step (a slower or shared GPU)."""
+
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets for these histograms (vllm/v1/metrics/loggers.py)."""
+
+
+class Histogram:
+    """A cumulative histogram as Prometheus keeps one: bucket counts, a sum and a count."""
+
+    __slots__ = ("buckets", "counts", "sum", "count")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.sum += value * times
+        self.count += times
+        for i, le in enumerate(self.buckets):
+            if value <= le:
+                self.counts[i] += times
+                break
+
+    def cumulative(self) -> list[int]:
+        out, total = [], 0
+        for n in self.counts:
+            total += n
+            out.append(total)
+        return out
 
 
 @dataclass(eq=False)
@@ -61,6 +99,8 @@ class Sequence:
     prompt_text: str | None = None
     """The prompt's text, to name the blocks of its reply when it ends (None: not cached)."""
     salt: str | None = None
+    queued_at: float | None = None
+    """When the engine received it (its queue time and TTFT count from here)."""
 
     @property
     def context(self) -> int:
@@ -97,6 +137,11 @@ class ReplicaEngine:
         self.preemptions = 0
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.queue_time = Histogram(REQUEST_BUCKETS)
+        self.prefill_time = Histogram(REQUEST_BUCKETS)
+        self._planned_s = 0.0
         for adapter in warm_adapters or []:
             _lru_put(self.cpu, adapter, config.max_cpu_loras)
         for adapter in gpu_adapters or []:
@@ -108,7 +153,8 @@ class ReplicaEngine:
         drawn = 1 + int(self.rng.expovariate(1.0 / self.config.mean_output_tokens))
         return max(1, min(max_tokens, max(self.config.min_output_tokens, drawn)))
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        seq.queued_at = seq.arrival if now is None else now
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -155,16 +201,19 @@ class ReplicaEngine:
         if admitted:
             tokens = sum(s.context - s.cached_tokens for s in admitted)
             self._planned = ("prefill", admitted)
-            return (50 + 0.18 * tokens) * 1.17 + cost_ms
-        if self.running:
+            duration_ms = ((50 + 0.18 * tokens) * 1.17 + cost_ms) / self.config.speed
+        elif self.running:
             self._planned = ("decode", list(self.running))
             batch = len(self.running)
             kv_tokens = sum(s.context for s in self.running)
             adapters = {s.adapter for s in self.running if s.adapter is not None}
             base = 48 + 0.35 * batch + 0.002 * kv_tokens
-            return base * 1.17 + 0.5 * len(adapters) if adapters else base
-        self._planned = None
-        return 0.0
+            duration_ms = (base * 1.17 + 0.5 * len(adapters) if adapters else base) / self.config.speed
+        else:
+            self._planned = None
+            return 0.0
+        self._planned_s = duration_ms / 1000
+        return duration_ms
 
     def _admit(self) -> tuple[list[Sequence], float]:
         """vLLM's FCFS scan with the max_loras skip rule."""
@@ -212,11 +261,15 @@ class ReplicaEngine:
             for seq in seqs:
                 if seq.aborted:
                     continue
-                self.prompt_tokens_total += seq.prompt_tokens if not seq.prefilled else 0
+                if not seq.prefilled:  # vLLM counts a request's queue and prefill once, not after a preemption
+                    self.prompt_tokens_total += seq.prompt_tokens
+                    self.prefill_time.observe(self._planned_s)
+                    self.queue_time.observe(max(0.0, now - self._planned_s - (seq.queued_at or now)))
                 seq.prefilled = True
                 self.running.append(seq)
                 self._emit(seq, now, result)
             return result
+        emitted = len(result.tokens)
         for seq in seqs:
             if seq.aborted or seq not in self.running:
                 continue
@@ -232,6 +285,8 @@ class ReplicaEngine:
                 self.pool.grow(need - seq.blocks)
                 seq.blocks = need
             self._emit(seq, now, result)
+        if len(result.tokens) > emitted:
+            self.itl.observe(self._planned_s, len(result.tokens) - emitted)
         return result
 
     def _emit(self, seq: Sequence, now: float, result: StepResult) -> None:
@@ -239,6 +294,7 @@ class ReplicaEngine:
         self.generation_tokens_total += 1
         if seq.first_token_at is None:
             seq.first_token_at = now
+            self.ttft.observe(max(0.0, now - (seq.queued_at if seq.queued_at is not None else now)))
         result.tokens.append(seq)
         if seq.done:
             seq.finished_at = now
@@ -286,7 +342,16 @@ class ReplicaEngine:
             block_size=self.config.block_size,
             num_gpu_blocks=self.config.kv_blocks,
             model_names=frozenset({self.config.base_model}),
+            counters=self.counters(),
         )
+
+    def counters(self):
+        """The histograms' sums and counts and the token counters, as a scraper reads them."""
+        from ..rates import PodCounters
+
+        return PodCounters(self.prefill_time.sum, self.prefill_time.count, self.queue_time.sum, self.queue_time.count,
+                           self.ttft.sum, self.ttft.count, self.itl.sum, self.itl.count, self.prompt_tokens_total,
+                           self.prefix_hits_total, self.generation_tokens_total, sum(self.finished_by_reason.values()))
 
 
 def _lru_put(lru: OrderedDict[str, None], key: str, capacity: int) -> None:

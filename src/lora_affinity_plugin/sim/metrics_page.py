@@ -1,22 +1,20 @@
-"""A simulated replica's `/metrics` page: vLLM's names, several lora_requests_info series, and the
-histogram families that give a real page its size (~40 KB), so scraping costs what it costs."""
+"""A simulated replica's `/metrics` page: vLLM's names, several lora_requests_info series, the timing
+histograms the engine keeps (TTFT, inter-token latency and its older name, queue and prefill time: the
+plugin learns each pod's speed from them), and the other histogram families that give a real page its
+size (~40 KB), so scraping costs what it costs."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .engine import Histogram
+
 if TYPE_CHECKING:
     from .server import LiveReplica
 
 _HISTOGRAMS = {
-    "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
-    "vllm:time_per_output_token_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                                           2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
     "vllm:e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                                          50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
-    "vllm:request_queue_time_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
     "vllm:request_inference_time_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
     "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4096],
@@ -129,6 +127,12 @@ def render_metrics(replica: LiveReplica, base_model: str) -> str:
         lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{base_model}"}} '
                      f"{float(count)}")
     lines += _connection_lines(replica)
+    for name, histogram in (("vllm:time_to_first_token_seconds", engine.ttft),
+                            ("vllm:inter_token_latency_seconds", engine.itl),
+                            ("vllm:time_per_output_token_seconds", engine.itl),  # its name before vLLM 0.10
+                            ("vllm:request_queue_time_seconds", engine.queue_time),
+                            ("vllm:request_prefill_time_seconds", engine.prefill_time)):
+        lines += _histogram_lines(name, histogram, label)
     for name, buckets in _HISTOGRAMS.items():
         lines += [f"# HELP {name} Histogram of {name.split(':')[1].replace('_', ' ')}.", f"# TYPE {name} histogram"]
         for i, le in enumerate(buckets):
@@ -136,3 +140,12 @@ def render_metrics(replica: LiveReplica, base_model: str) -> str:
         lines += [f'{name}_bucket{{{label},le="+Inf"}} {float(finished)}', f"{name}_count{{{label}}} {float(finished)}",
                   f"{name}_sum{{{label}}} {float(finished) * 1.5}"]
     return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(name: str, histogram: Histogram, label: str) -> list[str]:
+    lines = [f"# HELP {name} Histogram of {name.split(':')[1].replace('_', ' ')}.", f"# TYPE {name} histogram"]
+    for le, count in zip(histogram.buckets, histogram.cumulative()):
+        lines.append(f'{name}_bucket{{{label},le="{le}"}} {float(count)}')
+    lines += [f'{name}_bucket{{{label},le="+Inf"}} {float(histogram.count)}',
+              f"{name}_count{{{label}}} {float(histogram.count)}", f"{name}_sum{{{label}}} {histogram.sum}"]
+    return lines

@@ -14,6 +14,7 @@ import json
 import random
 import time
 import uuid
+from dataclasses import replace
 
 import uvicorn
 from starlette.applications import Starlette
@@ -22,6 +23,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from .arguments import parse_profiles
 from .engine import EngineConfig, ReplicaEngine, Sequence
 from .kv_cache import block_hashes, count_tokens, prompt_text
 from .metrics_page import render_metrics
@@ -251,6 +253,20 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
     async def health(_: Request):
         return PlainTextResponse("")
 
+    async def control(request: Request):
+        """Change this replica at run time: `{"speed": 0.5}` (a GPU that throttles or is shared)."""
+        if (denied := refused(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+            speed = float(body["speed"])
+            if not 0.01 <= speed <= 100:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": "speed: a number from 0.01 to 100 is required"}, status_code=400)
+        replica.engine.config.speed = speed
+        return JSONResponse({"speed": speed})
+
     async def metrics(request: Request):
         if metrics_token and request.headers.get("authorization") != f"Bearer {metrics_token}":
             return PlainTextResponse("unauthorized", status_code=401)
@@ -262,6 +278,7 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
         Route("/v1/models", models),
         Route("/health", health),
         Route("/metrics", metrics),
+        Route("/control", control, methods=["POST"]),
     ])
 
 
@@ -274,9 +291,11 @@ def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
     warm = args.warm_adapters.split(",") if args.warm_adapters else []
     replicas = []
     sglang = {int(i) for i in args.sglang_replicas.split(",")} if args.sglang_replicas else set()
+    profiles = parse_profiles(args.replica_profiles)
     for r in range(args.replicas):
-        gpu = [warm[(r * config.max_loras + j) % len(warm)] for j in range(min(config.max_loras, len(warm)))]
-        engine = ReplicaEngine(config, random.Random(f"{args.seed}-replica-{r}"), warm, gpu)
+        own = replace(config, **profiles[r % len(profiles)]) if profiles else replace(config)
+        gpu = [warm[(r * own.max_loras + j) % len(warm)] for j in range(min(own.max_loras, len(warm)))]
+        engine = ReplicaEngine(own, random.Random(f"{args.seed}-replica-{r}"), warm, gpu)
         replicas.append(LiveReplica(engine, args.speed, adapters, args.kv_metric_name, args.residency_metric,
                                     args.lora_info_style, "sglang" if r in sglang else "vllm"))
     return replicas

@@ -13,6 +13,7 @@ from collections import defaultdict, deque
 from ..fleet import FleetView
 from ..inflight import PeerShare
 from ..prefix_index import SHARE_MAX_BLOCKS
+from ..rates import RateTracker
 from ..scheduling import NoCapacity, PodMetrics, Shed, choose_pod
 from ..settings import Settings, build_settings
 from ..store import PodRecord
@@ -193,6 +194,8 @@ class Rules(Policy):
         self.fleet = FleetView(settings)
         self.keys = [f"r{i}" for i in range(replicas)]
         self.fallbacks = 0
+        self.rates = RateTracker()
+        """Stands in for the scraper's: learns each pod's speeds from its counters' deltas."""
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
               messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
@@ -215,7 +218,11 @@ class Rules(Policy):
         return self.keys.index(decision.pod)
 
     def scraped(self, snapshots, gpu, at) -> None:
-        self.fleet.update({k: PodRecord(k, at, m) for k, m in zip(self.keys, snapshots)})
+        records = {}
+        for key, metrics in zip(self.keys, snapshots):
+            rates = self.rates.observe(key, metrics.counters, at)
+            records[key] = PodRecord(key, at, metrics, rates=rates if rates.learned else None)
+        self.fleet.update(records)
         self.fleet.maintain(at)
 
     def discovered(self, adapters: list[str]) -> None:

@@ -11,16 +11,17 @@ import heapq
 import itertools
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..bench.prefix_workloads import PrefixWorkload
-from ..bench.prompt_shapes import lora_prompt
-from ..bench.results import RequestOutcome, Result, summarize_classes
-from ..bench.scenarios import SEED_PROMPT, Scenario
 from ..inflight import merge_shares
-from .engine import EngineConfig, ReplicaEngine, Sequence
-from .kv_cache import block_hashes, count_tokens, prompt_text
+from ..sim.arguments import parse_profiles
+from ..sim.engine import EngineConfig, ReplicaEngine, Sequence
+from ..sim.kv_cache import block_hashes, count_tokens, prompt_text
 from .policies import SHED, make_policy
+from .prefix_workloads import PrefixWorkload
+from .prompt_shapes import lora_prompt
+from .results import RequestOutcome, Result, summarize_classes
+from .scenarios import SEED_PROMPT, Scenario
 
 SCRAPE_INTERVAL_S = 0.2
 REFRESH_LAG_S = 0.1
@@ -63,10 +64,13 @@ def engine_config(scenario: Scenario, prefix_caching: bool = True) -> EngineConf
 
 
 def make_engines(scenario: Scenario, seed: int, prefix_caching: bool = True) -> list[ReplicaEngine]:
-    """Warm: every adapter in each CPU cache and the GPU slots filled round-robin, as after a warm-up."""
-    config = engine_config(scenario, prefix_caching)
+    """Warm: every adapter in each CPU cache and the GPU slots filled round-robin, as after a warm-up.
+    The scenario's replica profiles (speeds, sizes) are dealt to the replicas in turn."""
+    base = engine_config(scenario, prefix_caching)
+    profiles = parse_profiles(scenario.profiles)
     engines = []
     for r in range(scenario.replicas):
+        config = replace(base, **profiles[r % len(profiles)]) if profiles else replace(base)
         adapters = list(scenario.adapters)
         gpu = [adapters[(r * config.max_loras + j) % len(adapters)] for j in range(config.max_loras)]
         engine = ReplicaEngine(config, random.Random(f"{seed}-replica-{r}"),
@@ -142,7 +146,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             seq = Sequence(str(req.index), req.adapter, tokens, engine.output_length(scenario.max_tokens),
                            arrival=req.arrival, block_hashes=block_hashes(text, req.adapter, None, engine.config.block_size),
                            prompt_text=text if prefix_load or shaped else None)
-            engine.add(seq)
+            engine.add(seq, now)
             seqs[req.index] = (seq, replica, connection, req)
             by_seq[id(seq)] = req.index
             kick(replica, now)
@@ -168,6 +172,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         push(req.arrival, "arrive", req)
         push(req.arrival + scenario.deadline_s, "timeout", req.index)
     push(0.0, "scrape")
+    if scenario.slowdown is not None:
+        push(scenario.slowdown[0], "slowdown", scenario.slowdown[1:])
     if gateways > 1:  # the gateways have been sharing before the load starts: they know their peers
         for g, policy in enumerate(policies):
             shares = [share for i, p in enumerate(policies) if i != g and (share := p.share()) is not None]
@@ -227,6 +233,9 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 for i, entries in enumerate(prefixes):
                     if i != g and entries:
                         policy.peer_prefixes(entries)
+        elif kind == "slowdown":  # what the live simulator's /control endpoint does
+            replica, speed = data
+            engines[replica].config.speed = speed
         elif kind == "visible":
             snapshots, gpu, scraped_at = data
             for policy in policies:

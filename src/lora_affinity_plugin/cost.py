@@ -1,0 +1,108 @@
+"""What a request costs on a pod, in seconds: the estimate the default rule set chooses by.
+
+Pure, like the rules beside it (`scheduling.py`): a candidate pod and a request in, the parts out.
+A request's cost on a pod is the time until its first token there plus the time it takes from the
+requests already on that pod:
+
+- ``wait``: the queue ahead of it (each request the pod reported waiting holds admission for the
+  pod's learned seconds per queued request; each one sent since its scrape joins the next prefill
+  step, adding its fixed cost), plus half the step in flight when the pod is busy;
+- ``adapter``: bringing its adapter into a GPU slot (0 when running or resident there);
+- ``prefill``: its prompt tokens the pod does not already hold (the prefix index's match), at the
+  pod's learned prefill speed;
+- ``harm``: a new adapter in a batch slows every running request's decode steps (the multi-LoRA
+  kernels work per distinct adapter) for the rest of their generations; and a second copy of a
+  prefix another pod already holds evicts about as much of someone else's cached work.
+
+The rates are each pod's own, learned from its histograms (`rates.py`); until enough is seen they
+are the defaults below, so an unknown pod is neither favoured nor shunned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_OVERHEAD_S = 0.05
+"""A prefill step's fixed cost at speed 1 (scheduling, sampling, the first token's decode)."""
+PREFILL_S_PER_TOKEN = 0.0002
+"""Prefill seconds per prompt token at speed 1 (a 7B model on one A100-class GPU: ~5k tokens/s)."""
+DECODE_STEP_S = 0.06
+"""A decode step (the time per output token) when nothing has been learned yet."""
+ADAPTER_LOAD_S = 0.02
+"""Moving an adapter from CPU memory into a GPU slot (vLLM: milliseconds)."""
+ADAPTER_STEP_SHARE = 0.005
+"""What one more distinct adapter adds to a decode step, as a share of it (punica/SGMV kernels)."""
+MEAN_OUTPUT_TOKENS = 200.0
+"""Output tokens per request when the pod has not finished enough requests to say."""
+
+
+@dataclass(frozen=True, slots=True)
+class PodRates:
+    """A pod's speeds: what `rates.RateTracker` learned from its histograms, or the defaults."""
+
+    prefill_factor: float = 1.0
+    """Measured prefill time over what the defaults predict for the same requests: 2.0 is half speed."""
+    decode_step_s: float = DECODE_STEP_S
+    """Mean time per output token over the last scrapes (vLLM's inter-token latency)."""
+    queue_s_per_request: float = DECODE_STEP_S
+    """Seconds each waiting request held the ones behind it (mean queue time over mean queue length)."""
+    mean_output_tokens: float = MEAN_OUTPUT_TOKENS
+    learned: bool = False
+    """Whether any of these came from the pod (False: all defaults)."""
+
+    def prefill_s(self, tokens: float) -> float:
+        return self.prefill_factor * (PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * max(0.0, tokens))
+
+    def to_dict(self) -> dict[str, float | bool]:
+        return {"prefill_factor": round(self.prefill_factor, 4), "decode_step_s": round(self.decode_step_s, 5),
+                "queue_s_per_request": round(self.queue_s_per_request, 5),
+                "mean_output_tokens": round(self.mean_output_tokens, 1), "learned": self.learned}
+
+
+DEFAULT_RATES = PodRates()
+
+
+@dataclass(frozen=True, slots=True)
+class CostParts:
+    """One candidate's estimate, part by part (what `explain` prints)."""
+
+    wait_s: float
+    adapter_s: float
+    prefill_s: float
+    uncached_tokens: int
+    harm_s: float
+    adds_adapter: bool
+    others: int
+    """Requests already running there (whom a new adapter would slow)."""
+    duplicated_tokens: int = 0
+    """Tokens another pod holds that this one would cache a second time."""
+
+    @property
+    def total_s(self) -> float:
+        return self.wait_s + self.adapter_s + self.prefill_s + self.harm_s
+
+    def describe(self) -> str:
+        text = (f"{self.total_s:.3f} s = wait {self.wait_s:.3f} s, adapter load {self.adapter_s:.3f} s, "
+                f"prefill {self.prefill_s:.3f} s for {self.uncached_tokens} uncached tokens")
+        if self.adds_adapter:
+            text += f", adds an adapter to a batch of {self.others}"
+        if self.duplicated_tokens:
+            text += f", copies {self.duplicated_tokens} tokens another pod holds"
+        if self.harm_s:
+            text += f": harm to others +{self.harm_s:.3f} s"
+        return text
+
+
+def estimate(*, waiting: int, queued: int, running: int, rates: PodRates, prompt_tokens: int, cached_tokens: int,
+             duplicated_tokens: int, adapter: str | None, active: frozenset[str], resident: frozenset[str]) -> CostParts:
+    """The request's cost on one pod (see the module's docstring for the parts). `queued` of the `waiting`
+    requests the pod itself reported; the rest were sent since its scrape and join the next prefill step."""
+    wait = (queued * rates.queue_s_per_request + (waiting - queued) * rates.prefill_s(0)
+            + (rates.decode_step_s / 2 if running or waiting else 0.0))
+    uncached = max(0, prompt_tokens - cached_tokens)
+    adds = adapter is not None and adapter not in active
+    adapter_s = ADAPTER_LOAD_S if adds and adapter not in resident else 0.0
+    # Each running request pays the extra share on every remaining step: about half its generation.
+    harm = running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2 if adds and active else 0.0
+    harm += rates.prefill_factor * PREFILL_S_PER_TOKEN * duplicated_tokens
+    return CostParts(wait, adapter_s, rates.prefill_s(uncached), uncached, harm, adds, running, duplicated_tokens)
