@@ -124,6 +124,11 @@ def test_a_far_busier_pod_holding_the_prefix_is_passed_over_and_explain_shows_th
         explained = json.loads(out)
         assert explained["prefix_matches"][holder] >= 10  # the holder still holds the system prompt
         assert explained["pick"] != holder
+        costs = explained["costs"]  # each candidate's estimate, part by part
+        assert set(costs) == set(explained["candidates"])
+        assert costs[holder]["uncached_tokens"] < costs[explained["pick"]]["uncached_tokens"]
+        assert costs[holder]["wait_s"] > costs[explained["pick"]]["wait_s"]
+        assert explained["rates"][holder]["learned"]  # the scraper learned the busy pod's speeds from its histograms
         elsewhere = chat(client, stack["a"], "tweet-summary", system, "snow?")
     assert elsewhere != holder
 

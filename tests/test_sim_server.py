@@ -144,3 +144,24 @@ def test_a_prompt_longer_than_the_context_is_refused_at_once(sim):
     assert time.monotonic() - started < 2
     r = httpx.post(sim + "/v1/completions", json={"model": "sql-lora", "prompt": "hi", "cache_salt": 5}, timeout=30)
     assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"]
+
+
+def test_timing_histograms_and_a_speed_change_through_the_control_endpoint(sim):
+    client = openai.OpenAI(base_url=sim + "/v1", api_key="none")
+    client.completions.create(model="sql-lora", prompt="Is the Necronomicon in the movie?", max_tokens=5)
+    counters = parse_metrics(httpx.get(sim + "/metrics").text).counters
+    assert counters.ttft_count >= 1 and counters.prefill_time_count >= 1 and counters.queue_time_count >= 1
+    assert httpx.post(sim + "/control", json={"speed": 0.5}).json() == {"speed": 0.5}
+    refused = httpx.post(sim + "/control", json={"speed": "fast"})
+    assert refused.status_code == 400 and "speed" in refused.json()["error"]
+    httpx.post(sim + "/control", json={"speed": 1.0})
+
+
+def test_replica_profiles_are_checked():
+    from lora_affinity_plugin.sim.arguments import parse_profiles
+
+    assert parse_profiles("speed=1;speed=0.5,kv_blocks=350") == [{"speed": 1.0}, {"speed": 0.5, "kv_blocks": 350}]
+    with pytest.raises(SystemExit, match="KEY one of speed"):
+        parse_profiles("sped=1")
+    with pytest.raises(SystemExit, match="speed must be positive"):
+        parse_profiles("speed=0")

@@ -268,7 +268,13 @@ def run_explain(args: argparse.Namespace) -> int:
     for name, out in decision.trace:
         steps.append({"rule": name, "in": before, "out": list(out)})
         before = list(out)
-    data.update({"pick": decision.pod, "branch": decision.branch, "rules": steps})
+    data.update({"pick": decision.pod, "branch": decision.branch, "rules": steps,
+                 "costs": {pod: {"total_s": round(c.total_s, 4), "wait_s": round(c.wait_s, 4),
+                                 "adapter_load_s": round(c.adapter_s, 4), "prefill_s": round(c.prefill_s, 4),
+                                 "uncached_tokens": c.uncached_tokens, "harm_s": round(c.harm_s, 4),
+                                 "adds_adapter": c.adds_adapter, "duplicated_tokens": c.duplicated_tokens}
+                           for pod, c in decision.costs.items()},
+                 "rates": {c.key: c.rates.to_dict() for c in candidates}})
     view = {c.key: c for c in candidates}
     lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
              f"  prompt prefix: {request.prefix_blocks} blocks of {settings.prefix_block_chars} characters"
@@ -277,6 +283,10 @@ def run_explain(args: argparse.Namespace) -> int:
     lines += [f"    {c.key}: {c.waiting}, {c.running}, {c.kv_cache_usage:.2f}, {','.join(sorted(c.active_adapters)) or '-'}, "
               f"{request.prefix_matches.get(c.key, 0)}/{request.prefix_blocks}"
               for c in view.values()]
+    if decision.costs:
+        lines.append("  estimated cost (rates learned from each pod's histograms, or defaults):")
+        lines += [f"    {pod}: {parts.describe()}" + ("" if view[pod].rates.learned else " (default rates)")
+                  for pod, parts in decision.costs.items()]
     lines += [f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}" for s in steps]
     lines.append(f"  pick: {decision.pod} (branch {decision.branch})")
     _print(args, data, "\n".join(lines))

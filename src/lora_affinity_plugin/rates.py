@@ -16,8 +16,8 @@ from .cost import DEFAULT_RATES, PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN, PodRat
 
 SMOOTHING = 0.5
 """Weight of the newest interval in the moving average: a pod that slows is followed within a few scrapes."""
-MIN_REQUESTS = 2
-"""Requests an interval needs before its prefill and queue figures count (fewer is noise)."""
+MIN_REQUESTS = 1
+"""Requests an interval needs before its prefill and queue figures count."""
 MIN_TOKENS = 20
 """Output tokens an interval needs before its time per output token counts."""
 

@@ -365,7 +365,6 @@ def _cheapest(pods: list[Candidate], request: RouteRequest, settings: Settings, 
               agree: bool = False) -> Decision:
     """Step 4: least load; the least estimated cost (pods within `cost_band_ms` or `cost_band_ratio` of it are
     equal); least KV use; one of the equals."""
-    pods = run.apply("least_load", pods, _least_load(pods, run.width))
     if run.trace is not None:
         best_match = max(request.prefix_matches.values(), default=0)
         run.costs = {p.key: cost_parts(p, request, settings, best_match) for p in run.considered}
@@ -375,6 +374,7 @@ def _cheapest(pods: list[Candidate], request: RouteRequest, settings: Settings, 
         least = min(totals)
         edge = max(least + settings.cost_band_ms / 1000, least * (1 + settings.cost_band_ratio))
         pods = run.apply("least_cost", pods, [p for p, total in zip(pods, totals) if total <= edge])
+    pods = run.apply("least_load", pods, _least_load(pods, run.width))
     pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
     return run.pick(pods, branch, agree)
 

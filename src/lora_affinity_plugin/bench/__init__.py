@@ -49,7 +49,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "host-cost", "index-memory", *SCENARIOS]
+    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "host-cost", "index-memory", "slowdown", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -61,6 +61,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .overload import run_overload
 
         return run_overload(args)
+    if args.scenario == "slowdown":
+        from .slowdown import run_slowdown
+
+        return run_slowdown(args)
     if args.scenario == "index-memory":
         from .index_memory import run_index_memory
 

@@ -84,7 +84,9 @@ _SEED_MESSAGES = [{"role": "user", "content": SEED_PROMPT}]
 
 
 def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1,
-             overrides: dict | None = None, prefix_caching: bool = True) -> Result:
+             overrides: dict | None = None, prefix_caching: bool = True,
+             dispatches: list[tuple[float, int]] | None = None) -> Result:
+    """One strategy on one scenario in virtual time; `dispatches` (if given) gets (time, replica) per request."""
     prefix_load = PrefixWorkload(scenario, seed) if scenario.open_loop else None
     requests: list = prefix_load.initial() if prefix_load else workload(scenario, random.Random(f"{seed}-workload"))
     expected = len(requests) * (max(1, scenario.turns) if scenario.kind == "multi-turn" else 1)
@@ -132,6 +134,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             sheddable = getattr(req, "sheddable", False)
             replica = gateway.route(req.adapter, connection, now, str(req.index), messages=messages,
                                     group=getattr(req, "group", 0), sheddable=sheddable)
+            if dispatches is not None and replica != SHED:
+                dispatches.append((now, replica))
             if replica == SHED:  # HTTP 429 at once
                 free_connections.append(connection)
                 release(req.index, now, RequestOutcome(None, False, e2e_s=0.0, error="HTTP 429: shed",

@@ -1,0 +1,102 @@
+"""Each pod's speeds, learned from its histograms; the cost they feed; a slow pod gets less."""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from lora_affinity_plugin.cost import DEFAULT_RATES, PodRates
+from lora_affinity_plugin.parsing import parse_metrics
+from lora_affinity_plugin.rates import PodCounters, RateTracker
+from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
+from lora_affinity_plugin.store import PodRecord
+
+S = build_settings({}, environ={})
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-metrics"
+
+
+def _drive(speed: float, seconds: float = 30.0, scrape_s: float = 0.2) -> PodRates:
+    """A replica at `speed` under steady load, scraped every `scrape_s` into a tracker."""
+    engine = ReplicaEngine(EngineConfig(speed=speed, mean_output_tokens=50), random.Random(3))
+    tracker, rates, now, next_scrape, n = RateTracker(), DEFAULT_RATES, 0.0, 0.0, 0
+    while now < seconds:
+        if len(engine.waiting) + len(engine.running) < 20:
+            engine.add(Sequence(str(n), "sql-lora", 300, engine.output_length(100), now), now)
+            n += 1
+        duration = engine.plan_step() / 1000 or 0.01
+        now += duration
+        engine.finish_step(now)
+        if now >= next_scrape:
+            rates = tracker.observe("pod", engine.counters(), now)
+            next_scrape = now + scrape_s
+    return rates
+
+
+def test_a_half_speed_replica_is_learned_as_half_speed():
+    fast, slow = _drive(1.0), _drive(0.5)
+    assert fast.learned and slow.learned
+    assert 1.7 < slow.decode_step_s / fast.decode_step_s < 2.3
+    assert 1.6 < slow.prefill_factor / fast.prefill_factor < 2.5
+    assert 30 < fast.mean_output_tokens < 80  # drawn around 50
+
+
+def test_rates_start_at_the_defaults_and_restart_with_the_server():
+    tracker = RateTracker()
+    assert tracker.observe("pod", PodCounters(), 0.0) is DEFAULT_RATES
+    busy = PodCounters(prefill_time_sum=2.0, prefill_time_count=10, prompt_tokens=3000, itl_sum=3.0, itl_count=30)
+    learned = tracker.observe("pod", busy, 1.0)
+    assert learned.learned and learned.decode_step_s == pytest.approx(0.1)
+    assert tracker.observe("pod", PodCounters(prefill_time_count=1), 2.0) is DEFAULT_RATES  # counters went back
+    assert tracker.observe("pod", None, 3.0) is DEFAULT_RATES  # a page without histograms keeps what it had
+
+
+def test_the_page_s_histogram_sums_and_counts_are_read():
+    page = (FIXTURES / "synthetic_full_page_v1_48k.txt").read_text()
+    counters = parse_metrics(page).counters
+    assert counters is not None
+    assert counters.ttft_count == 10000 and counters.ttft_sum == pytest.approx(1234.5)
+    assert counters.queue_time_count == 10000 and counters.prefill_time_count == 10000
+    assert counters.itl_count == 10000 and counters.prompt_tokens == 12345
+
+
+def test_rates_travel_in_the_record_and_bad_values_are_bounded():
+    record = PodRecord("http://a:8000", 1.0, PodMetrics(num_requests_running=1), rates=PodRates(2.0, 0.12, 0.3, 90.0, True))
+    assert PodRecord.from_json(record.to_json()).rates == record.rates
+    hostile = record.to_json().replace(b'"decode_step_s":0.12', b'"decode_step_s":1e9')
+    assert PodRecord.from_json(hostile).rates.decode_step_s == 10.0
+
+
+def _pod(key, rates=DEFAULT_RATES, running=4, adapters=("sql-lora",)):
+    return Candidate(key, 0, running, 0.2, frozenset(adapters), max_lora=4, rates=rates)
+
+
+def test_a_slow_pod_gets_less():
+    slow = PodRates(prefill_factor=2.0, decode_step_s=0.12, learned=True)
+    chosen = {choose_pod([_pod("fast"), _pod("slow", slow)], RouteRequest("sql-lora"), S, random.Random(i)).pod
+              for i in range(50)}
+    assert chosen == {"fast"}
+    even = {choose_pod([_pod("a"), _pod("b")], RouteRequest("sql-lora"), S, random.Random(i)).pod for i in range(50)}
+    assert even == {"a", "b"}  # equal pods still share
+
+
+def test_a_long_unseen_prompt_for_a_running_adapter_stays_with_its_adapter():
+    holder = _pod("holder", running=6)
+    empty = Candidate("empty", 0, 0, 0.0, frozenset(), max_lora=4)
+    request = RouteRequest("sql-lora", prefix_blocks=40, prefix_hashes=tuple(range(40)), placement_key=9)
+    for seed in range(20):
+        assert choose_pod([holder, empty], request, S, random.Random(seed)).pod == "holder"
+
+
+def test_explain_shows_each_candidate_s_cost_parts():
+    slow = PodRates(prefill_factor=2.0, decode_step_s=0.12, learned=True)
+    request = RouteRequest("sql-lora", prefix_blocks=8, prefix_matches={"fast": 8}, prefix_hashes=tuple(range(8)))
+    decision = choose_pod([_pod("fast"), _pod("slow", slow, adapters=("other",))], request, S, random.Random(1),
+                          explain=True)
+    assert decision.pod == "fast"
+    fast, slow_parts = decision.costs["fast"], decision.costs["slow"]
+    assert fast.uncached_tokens == 0 and slow_parts.uncached_tokens == 512
+    assert slow_parts.adds_adapter and slow_parts.duplicated_tokens == 512 and slow_parts.harm_s > 0
+    assert slow_parts.total_s > fast.total_s
+    assert "prefill" in slow_parts.describe() and "adds an adapter" in slow_parts.describe()
