@@ -100,3 +100,46 @@ def test_explain_shows_each_candidate_s_cost_parts():
     assert slow_parts.adds_adapter and slow_parts.duplicated_tokens == 512 and slow_parts.harm_s > 0
     assert slow_parts.total_s > fast.total_s
     assert "prefill" in slow_parts.describe() and "adds an adapter" in slow_parts.describe()
+
+
+def test_a_pod_slower_at_both_prefill_and_decode_spills_its_adapter_sooner():
+    from lora_affinity_plugin.cost import relative_slowness
+    from lora_affinity_plugin.fleet import FleetView
+
+    half = PodRates(prefill_factor=2.2, decode_step_s=0.16, learned=True)
+    busy = PodRates(prefill_factor=2.2, decode_step_s=0.08, learned=True)  # batched prefills alone: not slower
+    assert relative_slowness(half, 1.0, 0.08) == 2.0
+    assert relative_slowness(busy, 1.0, 0.08) == 1.0
+    fleet = FleetView(S)
+    metrics = PodMetrics(num_requests_running=12, running_lora_adapters=frozenset({"sql-lora"}), max_lora=4)
+    idle = PodMetrics(num_requests_running=2, max_lora=4)
+    fleet.update({"slow": PodRecord("slow", 1.0, metrics, rates=half),
+                  "a": PodRecord("a", 1.0, idle, rates=PodRates(1.0, 0.08, learned=True)),
+                  "b": PodRecord("b", 1.0, idle, rates=PodRates(1.1, 0.08, learned=True))})
+    pods = fleet.candidates(["slow", "a", "b"], 1.0)
+    assert {p.key: p.slowness for p in pods} == {"slow": 2.0, "a": 1.0, "b": 1.0}
+    # 12 running is within spill_queue_margin (16) of the idle pods' 2, but at half speed it counts as 24.
+    decision = choose_pod(pods, RouteRequest("sql-lora"), S, random.Random(1))
+    assert decision.pod != "slow" and decision.branch == "spill"
+    same_speed = [p if p.key != "slow" else Candidate("slow", 0, 12, 0.2, frozenset({"sql-lora"}), max_lora=4)
+                  for p in pods]
+    assert choose_pod(same_speed, RouteRequest("sql-lora"), S, random.Random(1)).pod == "slow"
+
+
+def test_the_mixed_workload_mixes_adapters_shapes_and_chats():
+    from lora_affinity_plugin.bench.prefix_workloads import PrefixWorkload
+    from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+
+    scenario = at_rate(get_scenario("mixed"), 4.0)
+    workload = PrefixWorkload(scenario, 1)
+    initial = workload.initial()
+    chats = [r for r in initial if r.adapter is None]
+    adapters = [r.adapter for r in initial if r.adapter is not None]
+    assert 0.1 < len(chats) / len(initial) < 0.3
+    assert len(set(adapters)) >= 12 and adapters.count("adapter-00") > 3 * adapters.count("adapter-15")  # Zipf
+    sizes = {len(r.messages[0]["content"]) for r in initial if r.adapter is not None}
+    assert min(sizes) < 100 and max(sizes) >= 8000  # the seed's question up to 8 KB texts
+    assert workload.expected(initial) == len(initial) + (scenario.turns - 1) * len(chats)
+    follow = workload.follow_up(chats[0], "x " * 10, 5.0)
+    assert follow is not None and follow.turn == 1 and follow.messages[-2]["role"] == "assistant"
+    assert workload.follow_up(next(r for r in initial if r.adapter), "x", 5.0) is None

@@ -106,3 +106,24 @@ def estimate(*, waiting: int, queued: int, running: int, rates: PodRates, prompt
     harm = running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2 if adds and active else 0.0
     harm += rates.prefill_factor * PREFILL_S_PER_TOKEN * duplicated_tokens
     return CostParts(wait, adapter_s, rates.prefill_s(uncached), uncached, harm, adds, running, duplicated_tokens)
+
+
+SLOW_RATIO = 1.5
+"""A pod counts as slower (or faster) than the fleet only beyond this ratio: learned rates carry noise."""
+
+
+def relative_slowness(rates: PodRates, median_prefill_factor: float, median_step_s: float) -> float:
+    """How much slower than the fleet's median pod this one runs, by both its prefill and its decode rates.
+
+    Each alone moves with the load (batched prefills, a bigger batch's longer steps); a pod that is really
+    slower is slower at both. So: the lesser of the two ratios when both are beyond SLOW_RATIO the same
+    way, else 1.0; bounded to 0.25..4."""
+    if median_prefill_factor <= 0 or median_step_s <= 0:
+        return 1.0
+    prefill = rates.prefill_factor / median_prefill_factor
+    decode = rates.decode_step_s / median_step_s
+    if prefill >= SLOW_RATIO and decode >= SLOW_RATIO:
+        return min(4.0, prefill, decode)
+    if prefill <= 1 / SLOW_RATIO and decode <= 1 / SLOW_RATIO:
+        return max(0.25, prefill, decode)
+    return 1.0

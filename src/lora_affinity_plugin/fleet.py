@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-from .cost import DEFAULT_RATES
+from .cost import DEFAULT_RATES, relative_slowness
 from .inflight import Dispatch, InFlight, PeerShare
 from .prefix_index import PrefixIndex
 from .prefixes import placement_key, prompt_prefix
@@ -79,6 +79,21 @@ class FleetView:
                 self._size_index(pod, record.metrics.num_gpu_blocks, record.metrics.block_size)
             state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
                                lag_s=self.settings.dispatch_lag_ms / 1000)
+        self._compare_speeds()
+
+    def _compare_speeds(self) -> None:
+        """Each pod's slowness against the fleet's median pod (a pod at half speed: 2.0)."""
+        bases = [state for state in self._pods.values() if state.base is not None]
+        if not bases:
+            return
+        factors = sorted(state.base.rates.prefill_factor for state in bases)
+        steps = sorted(state.base.rates.decode_step_s for state in bases)
+        median_factor, median_step = factors[len(factors) // 2], steps[len(steps) // 2]
+        for state in bases:
+            slowness = relative_slowness(state.base.rates, median_factor, median_step)
+            if slowness != state.base.slowness:
+                state.base = replace(state.base, slowness=slowness)
+                state.view = None
 
     def _size_index(self, pod: str, num_gpu_blocks: int | None, block_size: int | None) -> None:
         if num_gpu_blocks and block_size:  # records from Redis may come from any scraper: bounded here too

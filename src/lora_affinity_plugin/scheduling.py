@@ -63,6 +63,8 @@ class Candidate:
     """The queue the pod itself reported at its last scrape (`waiting` adds the dispatches since)."""
     rates: PodRates = DEFAULT_RATES
     """The pod's learned speeds (`rates.py`), which the cost estimate (`cost.py`) uses."""
+    slowness: float = 1.0
+    """How much slower than the fleet's median pod it runs (`cost.relative_slowness`); 1.0 within the noise."""
 
     @property
     def load(self) -> int:
@@ -281,7 +283,7 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
             return _by_prefix(pods, request, settings, run, "base_model")
         return _cheapest(pods, request, settings, run, "base_model")
 
-    holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings)
+    holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings, by_speed=True)
     if long_prompt:
         roomy += _warm_for_adapter(pods, holders, roomy, fleet_min, request, settings)
     if roomy:
@@ -294,12 +296,18 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     return _place_adapter(pods, holders, request, settings, run, by_prefix=long_prompt, costed=True)
 
 
-def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings
+def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, by_speed: bool = False
                      ) -> tuple[list[Candidate], list[Candidate], int]:
-    """Pods running `adapter`, those of them within spill_queue_margin of the least loaded pod, and that load."""
+    """Pods running `adapter`, those of them within spill_queue_margin of the least loaded pod, and that load.
+
+    `by_speed`: a pod's load counts at its `slowness`, so a pod running at half speed, which carries each
+    request twice as long, spills its adapters at half the load."""
     fleet_min = min(p.load for p in pods)
     holders = [p for p in pods if adapter in p.active_adapters]
-    return holders, [p for p in holders if p.load <= fleet_min + settings.spill_queue_margin], fleet_min
+    edge = fleet_min + settings.spill_queue_margin
+    if by_speed:
+        return holders, [p for p in holders if p.load * p.slowness <= edge], fleet_min
+    return holders, [p for p in holders if p.load <= edge], fleet_min
 
 
 def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: RouteRequest, settings: Settings,

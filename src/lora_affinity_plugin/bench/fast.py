@@ -89,7 +89,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     """One strategy on one scenario in virtual time; `dispatches` (if given) gets (time, replica) per request."""
     prefix_load = PrefixWorkload(scenario, seed) if scenario.open_loop else None
     requests: list = prefix_load.initial() if prefix_load else workload(scenario, random.Random(f"{seed}-workload"))
-    expected = len(requests) * (max(1, scenario.turns) if scenario.kind == "multi-turn" else 1)
+    expected = prefix_load.expected(requests) if prefix_load else len(requests)
     engines = make_engines(scenario, seed, prefix_caching)
     policies = [make_policy(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
                 for g in range(gateways)]

@@ -5,6 +5,9 @@
   and on the base model; more system prompts than one replica's cache holds.
 - ``overload``: unique prompts (nothing to reuse) on adapters, a share of them sheddable, at
   multiples of the rate the fleet sustains.
+- ``mixed``: what a shared LoRA fleet gets: adapters by Zipf popularity, each request one of the LoRA
+  prompt shapes (a unique text of 0.5-8 KB, the adapter's instruction plus a question, a short question),
+  and a share of arrivals starting multi-turn chats on the base model.
 - ``multi-turn``: chat sessions of a few apps (each an adapter, or the base model, with its own
   system prompt); every turn resends the whole history (the app's system prompt, the earlier
   questions and the replies received) after a think time. An app's sessions outnumber what one
@@ -19,8 +22,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from .scenarios import Scenario
+from .prompt_shapes import lora_prompt
+from .scenarios import SEED_PROMPT, Scenario
 
+MIXED_SHAPES = (("unique", 500), ("unique", 1500), ("unique", 4000), ("unique", 8000), ("instruction", 1500),
+                ("seed", 0))
+"""mixed: the adapter requests' prompt shapes and sizes (characters), drawn uniformly."""
+_ADAPTER_GROUP = 1_000_000
+"""mixed: an adapter request's group (what prefix-partition pins) is this plus the adapter's index."""
 CHARS_PER_TOKEN = 3
 """Text is generated at the simulator's tokenization, so `system_tokens` are the replica's tokens."""
 BASE_MODEL = "meta-llama/Llama-2-7b-hf"
@@ -74,9 +83,20 @@ class PrefixWorkload:
         sessions = s.kind == "multi-turn"
         count = max(1, round(s.requests / max(1, s.turns))) if sessions else s.requests
         rate = (s.arrival_rate or 1.0) / max(1, s.turns) if sessions else (s.arrival_rate or 1.0)
+        weights = [1 / (rank + 1) ** s.zipf_s for rank in range(len(s.adapters))] if s.zipf_s else None
         for i in range(count):
             t += rng.expovariate(rate)
-            if s.kind == "overload":  # unique prompts: nothing to reuse, every request costs its prefill
+            if s.kind == "mixed":
+                if rng.random() < s.chat_share:  # a chat on the base model: its next turns follow its replies
+                    self._sessions[i] = [{"role": "system", "content": self._system(rng.randrange(s.base_groups))}]
+                    out.append(self._turn(i, t, None, 0))
+                    continue
+                pick = rng.choices(range(len(s.adapters)), weights)[0]
+                shape, chars = MIXED_SHAPES[rng.randrange(len(MIXED_SHAPES))]
+                content = lora_prompt(shape, chars, self.seed, i, s.adapters[pick], SEED_PROMPT)
+                out.append(self._request(t, s.adapters[pick], [{"role": "user", "content": content}],
+                                         _ADAPTER_GROUP + pick, 0))
+            elif s.kind == "overload":  # unique prompts: nothing to reuse, every request costs its prefill
                 adapter = rng.choice(s.adapters)
                 request = self._request(t, adapter, [{"role": "user", "content": f"{i}: " + text(rng, s.question_tokens)}],
                                         i, 0)
@@ -99,12 +119,16 @@ class PrefixWorkload:
     def follow_up(self, request: PromptRequest, reply: str, now: float) -> PromptRequest | None:
         """The session's next turn, after the reply and a think time; None when the session is over."""
         s = self.scenario
-        if s.kind != "multi-turn" or request.turn + 1 >= s.turns:
+        if request.group not in self._sessions or request.turn + 1 >= s.turns:
             return None
         history = self._sessions[request.group]
         history.append({"role": "assistant", "content": reply})
         think = random.Random(f"{self.seed}-think-{request.group}-{request.turn}").expovariate(1 / s.think_s)
         return self._turn(request.group, now + think, request.adapter, request.turn + 1)
+
+    def expected(self, initial: list[PromptRequest]) -> int:
+        """How many requests the run will send: every session's turns, one for each other request."""
+        return sum(max(1, self.scenario.turns) if r.group in self._sessions else 1 for r in initial)
 
     def _turn(self, session: int, at: float, adapter: str | None, turn: int) -> PromptRequest:
         rng = random.Random(f"{self.seed}-session-{session}-{turn}")

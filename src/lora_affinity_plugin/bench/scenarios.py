@@ -57,6 +57,8 @@ class Scenario:
     """Replicas of different speeds and sizes, as `lora-affinity sim --replica-profiles` takes them."""
     slowdown: tuple[float, int, float] | None = None
     """(at simulated second, replica, new speed): a replica that throttles mid-run."""
+    chat_share: float = 0.0
+    """mixed: the share of arrivals that start a multi-turn chat on the base model."""
 
     @property
     def open_loop(self) -> bool:
@@ -87,6 +89,18 @@ SCENARIOS: dict[str, Scenario] = {
                  kind="multi-turn", adapters=_adapters(4), base_groups=2, system_tokens=400, question_tokens=80, turns=6,
                  think_s=5.0, max_tokens=300, mean_output_tokens=120, connections=100_000, deadline_s=120.0,
                  duration_s=90.0, arrival_rate=6.0, rates=(3.0, 6.0, 9.0, 12.0, 15.0)),
+        Scenario("mixed", "what a shared LoRA fleet gets: Zipf(1.1) popularity over 16 adapters, each request a "
+                 "unique text of 0.5-8 KB, a per-adapter instruction plus a question, or a short question; a fifth "
+                 "of arrivals start a 4-turn chat on the base model (2 apps); ~120-token answers; Poisson arrivals",
+                 kind="mixed", adapters=_adapters(16), zipf_s=1.1, base_groups=2, system_tokens=400, question_tokens=60,
+                 turns=4, think_s=5.0, chat_share=0.2, max_tokens=300, mean_output_tokens=120, connections=100_000,
+                 deadline_s=120.0, duration_s=90.0, arrival_rate=6.0, rates=(4.0, 6.0, 8.0, 10.0, 12.0)),
+        Scenario("mixed-hetero", "the mixed traffic on a fleet with half the replicas at half speed "
+                 "(profiles speed=1;speed=0.5)",
+                 kind="mixed", adapters=_adapters(16), zipf_s=1.1, base_groups=2, system_tokens=400, question_tokens=60,
+                 turns=4, think_s=5.0, chat_share=0.2, max_tokens=300, mean_output_tokens=120, connections=100_000,
+                 deadline_s=120.0, duration_s=90.0, arrival_rate=4.0, rates=(2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0),
+                 profiles="speed=1;speed=0.5"),
         Scenario("overload", "unique ~1,200-token prompts on 12 adapters, ~40-token answers, two thirds sheddable; "
                  "Poisson arrivals at 1x, 2x and 3x the rate the fleet sustains (1.5 req/s)",
                  kind="overload", question_tokens=1200, max_tokens=100, mean_output_tokens=40, replicas=2,
