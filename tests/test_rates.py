@@ -143,3 +143,17 @@ def test_the_mixed_workload_mixes_adapters_shapes_and_chats():
     follow = workload.follow_up(chats[0], "x " * 10, 5.0)
     assert follow is not None and follow.turn == 1 and follow.messages[-2]["role"] == "assistant"
     assert workload.follow_up(next(r for r in initial if r.adapter), "x", 5.0) is None
+
+
+def test_a_long_unseen_prompt_leaves_a_full_queued_holder_for_a_pod_that_admits_it_now():
+    full = Candidate("holder", 3, 12, 0.97, frozenset({"sql-lora"}), max_lora=4, reported_waiting=3, kv_free_tokens=300)
+    idle = Candidate("idle", 0, 2, 0.1, frozenset({"other"}), max_lora=4, kv_free_tokens=10_000)
+    long_unseen = RouteRequest("sql-lora", prefix_blocks=40, prefix_hashes=tuple(range(40)), placement_key=9)
+    assert choose_pod([full, idle], long_unseen, S, random.Random(1)).pod == "idle"
+    # The same holder with the prompt's prefix cached: the prefix rules decide, the adapter stays.
+    cached = RouteRequest("sql-lora", prefix_blocks=40, prefix_hashes=tuple(range(40)), placement_key=9,
+                          prefix_matches={"holder": 36})
+    assert choose_pod([full, idle], cached, S, random.Random(1)).pod == "holder"
+    # A holder that admits it at once keeps it (see the test above); so does one where nobody admits it now.
+    busy = Candidate("idle", 2, 30, 0.97, frozenset({"other"}), max_lora=4, reported_waiting=2, kv_free_tokens=100)
+    assert choose_pod([full, busy], long_unseen, S, random.Random(1)).pod == "holder"

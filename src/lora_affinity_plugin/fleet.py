@@ -178,6 +178,8 @@ class FleetView:
             max_lora=metrics.max_lora,
             reported_waiting=metrics.num_requests_waiting,
             rates=state.record.rates or DEFAULT_RATES,
+            kv_free_tokens=int((1 - metrics.kv_cache_usage) * metrics.num_gpu_blocks * metrics.block_size)
+            if metrics.num_gpu_blocks and metrics.block_size else None,
         )
 
     def _memory(self, max_lora: int | None) -> int:

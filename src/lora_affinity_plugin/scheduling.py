@@ -65,6 +65,8 @@ class Candidate:
     """The pod's learned speeds (`rates.py`), which the cost estimate (`cost.py`) uses."""
     slowness: float = 1.0
     """How much slower than the fleet's median pod it runs (`cost.relative_slowness`); 1.0 within the noise."""
+    kv_free_tokens: int | None = None
+    """Tokens its KV cache had free at the scrape (None: the page did not say how big the cache is)."""
 
     @property
     def load(self) -> int:
@@ -265,8 +267,10 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     2. For an adapter, where it can run at once: the pods running it, unless busier than the fleet by
        more than `spill_queue_margin`; a pod holding the prompt's longest prefix stays eligible up to
        `prefix_queue_margin` more, or, not running the adapter, with a free slot (`_warm_for_adapter`).
-       Else a pod that can take the adapter without starving a batch (dealt to it among peers, resident,
-       a free slot, fewest adapters). vLLM's `--max-loras` skip rule makes a wrong adapter placement cost
+       When none of its holders can admit the request at the next step (a queue, or a cache too full for
+       the prompt) and a pod that keeps a free slot after taking the adapter can, at clearly less cost,
+       the adapter starts there (`_starts_sooner_elsewhere`). Else a pod that can take the adapter
+       without starving a batch (dealt to it among peers, resident, a free slot, fewest adapters). vLLM's `--max-loras` skip rule makes a wrong adapter placement cost
        whole generations; a prefill costs tens to hundreds of ms.
     3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes where the caches
        hold least (it will stay where it lands).
@@ -286,6 +290,10 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings, by_speed=True)
     if long_prompt:
         roomy += _warm_for_adapter(pods, holders, roomy, fleet_min, request, settings)
+    if roomy and _starts_sooner_elsewhere(pods, roomy, request, settings):
+        if run.trace is not None:
+            run.trace.append(("starts_sooner_elsewhere", tuple(p.key for p in pods)))
+        roomy = []
     if roomy:
         pods = run.apply("adapter_active", pods, roomy)
         if not long_prompt:
@@ -294,6 +302,45 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         return _by_prefix(pods, request, settings, run, "affinity")
 
     return _place_adapter(pods, holders, request, settings, run, by_prefix=long_prompt, costed=True)
+
+
+def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest,
+                             settings: Settings) -> bool:
+    """Whether to start the adapter on another pod now: none of its holders can admit the request at the next
+    step (a queue, or a cache too full for the prompt) nor holds its prefix, a pod that keeps a free slot
+    after taking the adapter can, and it costs clearly less there, the adapter's load and the harm to that
+    pod's batch included. In a saturated fleet no pod admits it at once, and the adapter stays with its
+    holders; it is the long unseen prompts of an adapter's tail that this moves off a full pod."""
+    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    matches = request.prefix_matches
+
+    def uncached(p: Candidate) -> float:
+        return (request.prefix_blocks - matches.get(p.key, 0)) * tokens_per_block
+
+    if any(_admits_now(p, uncached(p)) or matches.get(p.key, 0) >= settings.prefix_min_blocks for p in roomy):
+        return False  # a holder admits it at once, or holds its prefix (the prefix rules weigh that queue)
+    adapter = request.adapter
+    others = [p for p in pods if adapter not in p.active_adapters and _admits_now(p, uncached(p))
+              and (not p.max_lora or len(p.active_adapters) + 2 <= p.max_lora)]  # still a free slot after it
+    if not others:
+        return False
+    best_match = max(matches.values(), default=0)
+    stay = min(_cost_s(p, request, settings, best_match) + _cache_wait_s(p, uncached(p)) for p in roomy)
+    move = min(_cost_s(p, request, settings, best_match) for p in others)
+    return move < min(stay - settings.cost_band_ms / 1000, stay / (1 + settings.cost_band_ratio))
+
+
+def _admits_now(p: Candidate, tokens: float) -> bool:
+    """No queue at its scrape and room in its cache for the prompt: admitted at the next step (requests sent
+    since the scrape join that step too)."""
+    return p.reported_waiting == 0 and (p.kv_free_tokens is None or p.kv_free_tokens >= tokens)
+
+
+def _cache_wait_s(p: Candidate, tokens: float) -> float:
+    """A prompt the cache cannot hold waits for running requests to end: about half a generation."""
+    if p.kv_free_tokens is None or tokens <= p.kv_free_tokens:
+        return 0.0
+    return p.rates.decode_step_s * p.rates.mean_output_tokens / 2
 
 
 def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, by_speed: bool = False
