@@ -157,3 +157,14 @@ def test_a_long_unseen_prompt_leaves_a_full_queued_holder_for_a_pod_that_admits_
     # A holder that admits it at once keeps it (see the test above); so does one where nobody admits it now.
     busy = Candidate("idle", 2, 30, 0.97, frozenset({"other"}), max_lora=4, reported_waiting=2, kv_free_tokens=100)
     assert choose_pod([full, busy], long_unseen, S, random.Random(1)).pod == "holder"
+
+
+def test_a_long_unseen_prompt_leaves_a_half_speed_holder_for_a_faster_pod():
+    slow = PodRates(prefill_factor=2.0, decode_step_s=0.12, learned=True)
+    holder = Candidate("slow", 0, 4, 0.2, frozenset({"sql-lora"}), max_lora=4, rates=slow, slowness=2.0,
+                       kv_free_tokens=10_000)
+    fast = Candidate("fast", 0, 4, 0.2, frozenset({"other"}), max_lora=4, kv_free_tokens=10_000)
+    long_unseen = RouteRequest("sql-lora", prefix_blocks=40, prefix_hashes=tuple(range(40)), placement_key=9)
+    assert choose_pod([holder, fast], long_unseen, S, random.Random(1)).pod == "fast"
+    short = RouteRequest("sql-lora")  # a short question costs little more there: the adapter stays
+    assert choose_pod([holder, fast], short, S, random.Random(1)).pod == "slow"

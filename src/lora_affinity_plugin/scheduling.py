@@ -317,13 +317,16 @@ def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], requ
     def uncached(p: Candidate) -> float:
         return (request.prefix_blocks - matches.get(p.key, 0)) * tokens_per_block
 
-    if any(_admits_now(p, uncached(p)) or matches.get(p.key, 0) >= settings.prefix_min_blocks for p in roomy):
-        return False  # a holder admits it at once, or holds its prefix (the prefix rules weigh that queue)
+    if any(matches.get(p.key, 0) >= settings.prefix_min_blocks for p in roomy):
+        return False  # a holder holds its prefix: the prefix rules weigh that pod's queue
     adapter = request.adapter
     others = [p for p in pods if adapter not in p.active_adapters and _admits_now(p, uncached(p))
               and (not p.max_lora or len(p.active_adapters) + 2 <= p.max_lora)]  # still a free slot after it
     if not others:
         return False
+    fastest = min(p.slowness for p in others)
+    if any(_admits_now(p, uncached(p)) and p.slowness <= fastest for p in roomy):
+        return False  # a holder admits it at once, and no faster pod would
     best_match = max(matches.values(), default=0)
     stay = min(_cost_s(p, request, settings, best_match) + _cache_wait_s(p, uncached(p)) for p in roomy)
     move = min(_cost_s(p, request, settings, best_match) for p in others)

@@ -94,12 +94,12 @@ SCENARIOS: dict[str, Scenario] = {
                  "of arrivals start a 4-turn chat on the base model (2 apps); ~120-token answers; Poisson arrivals",
                  kind="mixed", adapters=_adapters(16), zipf_s=1.1, base_groups=2, system_tokens=400, question_tokens=60,
                  turns=4, think_s=5.0, chat_share=0.2, max_tokens=300, mean_output_tokens=120, connections=100_000,
-                 deadline_s=120.0, duration_s=90.0, arrival_rate=6.0, rates=(4.0, 6.0, 8.0, 10.0, 12.0)),
+                 deadline_s=120.0, duration_s=90.0, arrival_rate=4.0, rates=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0)),
         Scenario("mixed-hetero", "the mixed traffic on a fleet with half the replicas at half speed "
                  "(profiles speed=1;speed=0.5)",
                  kind="mixed", adapters=_adapters(16), zipf_s=1.1, base_groups=2, system_tokens=400, question_tokens=60,
                  turns=4, think_s=5.0, chat_share=0.2, max_tokens=300, mean_output_tokens=120, connections=100_000,
-                 deadline_s=120.0, duration_s=90.0, arrival_rate=4.0, rates=(2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0),
+                 deadline_s=120.0, duration_s=90.0, arrival_rate=2.0, rates=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
                  profiles="speed=1;speed=0.5"),
         Scenario("overload", "unique ~1,200-token prompts on 12 adapters, ~40-token answers, two thirds sheddable; "
                  "Poisson arrivals at 1x, 2x and 3x the rate the fleet sustains (1.5 req/s)",
