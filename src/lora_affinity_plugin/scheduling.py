@@ -319,14 +319,14 @@ def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], requ
 
     if any(matches.get(p.key, 0) >= settings.prefix_min_blocks for p in roomy):
         return False  # a holder holds its prefix: the prefix rules weigh that pod's queue
+    admitting = [p.slowness for p in roomy if _admits_now(p, uncached(p))]
+    if admitting and min(admitting) <= min(p.slowness for p in pods):
+        return False  # a holder admits it at once, and no pod is faster
     adapter = request.adapter
     others = [p for p in pods if adapter not in p.active_adapters and _admits_now(p, uncached(p))
               and (not p.max_lora or len(p.active_adapters) + 2 <= p.max_lora)]  # still a free slot after it
-    if not others:
-        return False
-    fastest = min(p.slowness for p in others)
-    if any(_admits_now(p, uncached(p)) and p.slowness <= fastest for p in roomy):
-        return False  # a holder admits it at once, and no faster pod would
+    if not others or admitting and min(admitting) <= min(p.slowness for p in others):
+        return False  # nobody else admits it now, or no faster pod would
     best_match = max(matches.values(), default=0)
     stay = min(_cost_s(p, request, settings, best_match) + _cache_wait_s(p, uncached(p)) for p in roomy)
     move = min(_cost_s(p, request, settings, best_match) for p in others)
@@ -404,11 +404,12 @@ def _warm_for_adapter(pods: list[Candidate], holders: list[Candidate], roomy: li
     queue, no more: a hot adapter must still spread), and a pod not running the adapter that has a free
     slot (loading an adapter takes milliseconds, a prefill of the prefix hundreds)."""
     edge = fleet_min + settings.spill_queue_margin + settings.prefix_queue_margin
+    roomy_keys, holder_keys = {p.key for p in roomy}, {p.key for p in holders}  # (keys: comparing candidates is slow)
     extra = []
     for p in _warm(_not_far_busier(pods, settings), request, settings):
-        if p in roomy:
+        if p.key in roomy_keys:
             continue
-        if p in holders and p.load <= edge or p not in holders and p.has_free_slot():
+        if p.key in holder_keys and p.load <= edge or p.key not in holder_keys and p.has_free_slot():
             extra.append(p)
     return extra
 
