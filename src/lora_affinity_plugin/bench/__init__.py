@@ -38,7 +38,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decisions: characters per chat prompt (0: the seed's short prompt); LoRA scenarios: "
                              "characters of a unique text or instruction (default 1500)")
     parser.add_argument("--prompt-shape", choices=["seed", "unique", "instruction", "mix"], default=None,
-                        help="LoRA scenarios, fast mode: the seed's question, a unique text per request, a "
+                        help="LoRA scenarios: the seed's question, a unique text per request, a "
                              "per-adapter instruction plus the question, or the three in turn")
     parser.add_argument("--pods", type=int, default=256, help="scrape-scale: simulated replicas")
     parser.add_argument("--pods-blocks", help="index-memory: PODSxGPU_BLOCKS,... (default 6x700,64x100000)")

@@ -43,8 +43,8 @@ def run_compare(args: argparse.Namespace) -> int:
     scenario = with_overrides(get_scenario(args.scenario), requests=args.requests,
                               prompt_shape=getattr(args, "prompt_shape", None),
                               prompt_chars=getattr(args, "prompt_chars", 0) or None)
-    if scenario.prompt_shape != "seed" and (scenario.open_loop or args.mode != "fast"):
-        raise SystemExit("--prompt-shape applies to the LoRA scenarios in fast mode")
+    if scenario.prompt_shape != "seed" and scenario.open_loop:
+        raise SystemExit("--prompt-shape applies to the LoRA scenarios (seed, scarce-slots, zipf, cold, poisson, streaming)")
     strategies = _strategies(args)
     print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, "
           f"max_loras {scenario.max_loras}, {scenario.connections} connections, deadline {scenario.deadline_s:.0f} s "

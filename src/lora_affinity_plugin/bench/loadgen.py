@@ -21,6 +21,7 @@ from .results import RequestOutcome
 
 CLIENT_KEEPALIVE_S = 4.0
 """Below the proxy's (uvicorn's) 5 s: a request written on a connection the proxy is closing gets a reset."""
+from .prompt_shapes import lora_prompt
 from .scenarios import SEED_PROMPT, Scenario
 
 
@@ -49,7 +50,8 @@ async def run_load(scenario: Scenario, targets: list[str], speed: float, seed: i
         if remaining <= 0:
             last_event[0] = max(last_event[0], expires)
             return RequestOutcome(None, False)
-        body = {"model": req.adapter, "prompt": SEED_PROMPT, "max_tokens": scenario.max_tokens, "stream": req.stream}
+        prompt = lora_prompt(scenario.prompt_shape, scenario.prompt_chars, seed, req.index, req.adapter, SEED_PROMPT)
+        body = {"model": req.adapter, "prompt": prompt, "max_tokens": scenario.max_tokens, "stream": req.stream}
         sent = time.monotonic()
         replica = target_index if per_connection else None
         try:
