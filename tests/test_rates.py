@@ -14,7 +14,7 @@ from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequenc
 from lora_affinity_plugin.store import PodRecord
 
 S = build_settings({}, environ={})
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-metrics"
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm-metrics"  # a copy of shared/fixtures/vllm-metrics
 
 
 def _drive(speed: float, seconds: float = 30.0, scrape_s: float = 0.2) -> PodRates:
