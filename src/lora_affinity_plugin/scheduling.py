@@ -8,8 +8,11 @@ Rule sets:
 - ``gie-v0.2``: the Gateway API Inference Extension endpoint picker's v0.2 decision tree.
 - ``lora-affinity`` (default): the same thresholds and shedding, but adapter placement that keeps
   few distinct adapters per replica, remembers resident adapters, and spills a hot adapter to a
-  new replica only when its holders are clearly busier than the fleet; and the longest cached
-  prompt prefix first, among pods not far busier than the least busy one.
+  new replica only when its holders are clearly busier than the fleet (their load counted at their
+  speed); the longest cached prompt prefix, among pods not far busier than the least busy one; and,
+  among the pods these rules allow, the least estimated cost in seconds (`cost.py`, at each pod's
+  learned rates, `rates.py`).
+- ``lora-affinity-v1``: the previous default, kept as a reference.
 - ``llmd-prefix`` and ``sglang-cache-aware``: the peers' prefix-aware policies as published
   (shared/docs/scheduling-reference.md section 7), kept as references to measure against.
 """
