@@ -93,19 +93,42 @@ class CostParts:
         return text
 
 
-def estimate(*, waiting: int, queued: int, running: int, rates: PodRates, prompt_tokens: int, cached_tokens: int,
-             duplicated_tokens: int, adapter: str | None, active: frozenset[str], resident: frozenset[str]) -> CostParts:
-    """The request's cost on one pod (see the module's docstring for the parts). `queued` of the `waiting`
-    requests the pod itself reported; the rest were sent since its scrape and join the next prefill step."""
-    wait = (queued * rates.queue_s_per_request + (waiting - queued) * rates.prefill_s(0)
-            + (rates.decode_step_s / 2 if running or waiting else 0.0))
-    uncached = max(0, prompt_tokens - cached_tokens)
+def cost_terms(*, waiting: int, queued: int, running: int, rates: PodRates, uncached_tokens: float,
+               duplicated_tokens: float, adapter: str | None, active: frozenset[str], resident: frozenset[str]
+               ) -> tuple[float, float, float, float]:
+    """The request's cost on one pod as (wait, adapter load, prefill, harm) seconds: the module's docstring
+    says why each part. `queued` of the `waiting` requests the pod itself reported; the rest were sent since
+    its scrape and join the next prefill step. Runs for every candidate of a decision: plain floats."""
+    wait = adapter_s = harm = 0.0
+    if waiting or running:
+        wait = queued * rates.queue_s_per_request + (waiting - queued) * rates.prefill_s(0) + rates.decode_step_s / 2
+    if adapter is not None and adapter not in active:
+        if adapter not in resident:
+            adapter_s = ADAPTER_LOAD_S
+        if active:  # each running request pays the extra share on every remaining step: half its generation
+            harm = running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2
+    if duplicated_tokens > 0:
+        harm += rates.prefill_factor * PREFILL_S_PER_TOKEN * duplicated_tokens
+    return wait, adapter_s, rates.prefill_s(uncached_tokens), harm
+
+
+def estimate(*, waiting: int, queued: int, running: int, rates: PodRates, uncached_tokens: float,
+             duplicated_tokens: float, adapter: str | None, active: frozenset[str], resident: frozenset[str]
+             ) -> CostParts:
+    """`cost_terms`, part by part and with what they were for (what `explain` prints)."""
+    wait, adapter_s, prefill, harm = cost_terms(
+        waiting=waiting, queued=queued, running=running, rates=rates, uncached_tokens=uncached_tokens,
+        duplicated_tokens=duplicated_tokens, adapter=adapter, active=active, resident=resident)
     adds = adapter is not None and adapter not in active
-    adapter_s = ADAPTER_LOAD_S if adds and adapter not in resident else 0.0
-    # Each running request pays the extra share on every remaining step: about half its generation.
-    harm = running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2 if adds and active else 0.0
-    harm += rates.prefill_factor * PREFILL_S_PER_TOKEN * duplicated_tokens
-    return CostParts(wait, adapter_s, rates.prefill_s(uncached), uncached, harm, adds, running, duplicated_tokens)
+    return CostParts(wait, adapter_s, prefill, int(max(0.0, uncached_tokens)), harm, adds, running,
+                     int(duplicated_tokens))
+
+
+def cache_wait_s(rates: PodRates, kv_free_tokens: int | None, tokens: float) -> float:
+    """A prompt the pod's KV cache cannot hold waits for running requests to end: about half a generation."""
+    if kv_free_tokens is None or tokens <= kv_free_tokens:
+        return 0.0
+    return rates.decode_step_s * rates.mean_output_tokens / 2
 
 
 SLOW_RATIO = 1.5

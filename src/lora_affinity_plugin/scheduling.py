@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .cost import ADAPTER_LOAD_S, ADAPTER_STEP_SHARE, PREFILL_S_PER_TOKEN, DEFAULT_RATES, CostParts, PodRates, estimate
+from .cost import DEFAULT_RATES, CostParts, PodRates, cache_wait_s, cost_terms, estimate
 from .prefixes import rendezvous
 from .rates import PodCounters
 from .settings import Settings
@@ -331,7 +331,8 @@ def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], requ
     if not others or admitting and min(admitting) <= min(p.slowness for p in others):
         return False  # nobody else admits it now, or no faster pod would
     best_match = max(matches.values(), default=0)
-    stay = min(_cost_s(p, request, settings, best_match) + _cache_wait_s(p, uncached(p)) for p in roomy)
+    stay = min(_cost_s(p, request, settings, best_match) + cache_wait_s(p.rates, p.kv_free_tokens, uncached(p))
+               for p in roomy)
     move = min(_cost_s(p, request, settings, best_match) for p in others)
     return move < min(stay - settings.cost_band_ms / 1000, stay / (1 + settings.cost_band_ratio))
 
@@ -340,13 +341,6 @@ def _admits_now(p: Candidate, tokens: float) -> bool:
     """No queue at its scrape and room in its cache for the prompt: admitted at the next step (requests sent
     since the scrape join that step too)."""
     return p.reported_waiting == 0 and (p.kv_free_tokens is None or p.kv_free_tokens >= tokens)
-
-
-def _cache_wait_s(p: Candidate, tokens: float) -> float:
-    """A prompt the cache cannot hold waits for running requests to end: about half a generation."""
-    if p.kv_free_tokens is None or tokens <= p.kv_free_tokens:
-        return 0.0
-    return p.rates.decode_step_s * p.rates.mean_output_tokens / 2
 
 
 def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, by_speed: bool = False
@@ -442,35 +436,27 @@ def _cheapest(pods: list[Candidate], request: RouteRequest, settings: Settings, 
 
 
 def _cost_s(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> float:
-    """`cost.estimate(...).total_s`, inlined: this runs for every candidate of every request."""
-    rates = p.rates
-    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
-    held = request.prefix_matches.get(p.key, 0)
-    total = rates.prefill_s((request.prefix_blocks - held) * tokens_per_block)
-    if best_match > held:  # a second copy of what another pod holds evicts as much of someone else's
-        total += rates.prefill_factor * PREFILL_S_PER_TOKEN * (best_match - held) * tokens_per_block
-    if p.waiting or p.running:
-        queued = min(p.reported_waiting, p.waiting)
-        total += (queued * rates.queue_s_per_request + (p.waiting - queued) * rates.prefill_s(0)
-                  + rates.decode_step_s / 2)
-    adapter = request.adapter
-    if adapter is not None and adapter not in p.active_adapters:
-        if adapter not in p.resident_adapters:
-            total += ADAPTER_LOAD_S
-        if p.active_adapters:
-            total += p.running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2
-    return total
+    return sum(_terms(p, request, settings, best_match))
 
 
 def cost_parts(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> CostParts:
-    """The estimate for one candidate, part by part (for `explain`; `_cost_s` is its total, inlined)."""
+    """The estimate for one candidate, part by part (for `explain`)."""
+    return estimate(**_cost_inputs(p, request, settings, best_match))
+
+
+def _terms(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> tuple[float, ...]:
+    return cost_terms(**_cost_inputs(p, request, settings, best_match))
+
+
+def _cost_inputs(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> dict:
+    """What `cost.py` needs of a candidate: its queue, batch, rates, and the prompt's tokens it lacks."""
     tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
     held = request.prefix_matches.get(p.key, 0)
-    return estimate(waiting=p.waiting, queued=min(p.reported_waiting, p.waiting), running=p.running, rates=p.rates,
-                    prompt_tokens=int(request.prefix_blocks * tokens_per_block),
-                    cached_tokens=int(held * tokens_per_block),
-                    duplicated_tokens=int(max(0, best_match - held) * tokens_per_block),
-                    adapter=request.adapter, active=p.active_adapters, resident=p.resident_adapters)
+    return {"waiting": p.waiting, "queued": min(p.reported_waiting, p.waiting), "running": p.running,
+            "rates": p.rates, "uncached_tokens": (request.prefix_blocks - held) * tokens_per_block,
+            "duplicated_tokens": max(0, best_match - held) * tokens_per_block, "adapter": request.adapter,
+            "active": p.active_adapters, "resident": p.resident_adapters}
+
 
 def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings,
                     run: _Run) -> tuple[list[Candidate], bool]:
