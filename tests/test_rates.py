@@ -168,3 +168,28 @@ def test_a_long_unseen_prompt_leaves_a_half_speed_holder_for_a_faster_pod():
     assert choose_pod([holder, fast], long_unseen, S, random.Random(1)).pod == "fast"
     short = RouteRequest("sql-lora")  # a short question costs little more there: the adapter stays
     assert choose_pod([holder, fast], short, S, random.Random(1)).pod == "slow"
+
+
+def test_bad_rates_or_counters_cost_the_rates_not_the_pod():
+    record = PodRecord("http://a:8000", 1.0, PodMetrics(num_requests_running=1), rates=PodRates(2.0, 0.12, 0.3, 90.0, True))
+    garbled = record.to_json().replace(b'"decode_step_s":0.12', b'"decode_step_s":"fast"')
+    read = PodRecord.from_json(garbled)
+    assert read.metrics == record.metrics and read.rates is None  # routed at the default rates
+    assert PodRecord.from_json(record.to_json().replace(b'"rates":{', b'"rates":[{').replace(b'}}', b'}]}')).rates is None
+    page = ("vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+            'vllm:time_to_first_token_seconds_sum{model_name="m"} NaN\n'
+            'vllm:time_to_first_token_seconds_count{model_name="m"} -3\n'
+            'vllm:inter_token_latency_seconds_sum{model_name="m"} 2.5\n'
+            'vllm:inter_token_latency_seconds_count{model_name="m"} 50\n')
+    metrics = parse_metrics(page)
+    assert metrics.num_requests_running == 1
+    assert metrics.counters.ttft_sum == 0 and metrics.counters.ttft_count == 0 and metrics.counters.itl_count == 50
+
+
+def test_a_bad_cost_band_is_refused_by_name():
+    from lora_affinity_plugin.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="cost_band_ratio"):
+        build_settings({"cost_band_ratio": -1}, environ={})
+    with pytest.raises(SettingsError, match="cost_band_ms"):
+        build_settings({"cost_band_ms": "soon"}, environ={})

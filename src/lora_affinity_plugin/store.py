@@ -65,20 +65,27 @@ class PodRecord:
             metrics = PodMetrics(**metrics)
         rates = body.get("rates")
         return cls(pod=body["pod"], scraped_at=float(body["scraped_at"]), metrics=metrics, error=body.get("error"),
-                   scraper=body.get("scraper"), rates=_rates(rates) if rates else None)
+                   scraper=body.get("scraper"), rates=_rates(rates))
 
 
-def _rates(body: dict[str, Any]) -> PodRates:
-    """Rates from a record: bounded here too (records may come from any scraper)."""
+def _rates(body: Any) -> PodRates | None:
+    """Rates from a record: bounded here too (records may come from any scraper); unreadable ones are
+    dropped (the pod is routed at the default rates), never the record."""
+    if not isinstance(body, dict):
+        return None
+
     def bounded(name: str, low: float, high: float, default: float) -> float:
         value = float(body.get(name, default))
         return min(max(value, low), high) if value == value else default
 
     base = PodRates()
-    return PodRates(bounded("prefill_factor", 0.05, 100.0, base.prefill_factor),
-                    bounded("decode_step_s", 1e-4, 10.0, base.decode_step_s),
-                    bounded("queue_s_per_request", 1e-4, 60.0, base.queue_s_per_request),
-                    bounded("mean_output_tokens", 1.0, 1e6, base.mean_output_tokens), bool(body.get("learned")))
+    try:
+        return PodRates(bounded("prefill_factor", 0.05, 100.0, base.prefill_factor),
+                        bounded("decode_step_s", 1e-4, 10.0, base.decode_step_s),
+                        bounded("queue_s_per_request", 1e-4, 60.0, base.queue_s_per_request),
+                        bounded("mean_output_tokens", 1.0, 1e6, base.mean_output_tokens), bool(body.get("learned")))
+    except (TypeError, ValueError):
+        return None
 
 
 def pod_key(settings: Settings, pod: str) -> str:
