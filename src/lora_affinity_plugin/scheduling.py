@@ -436,26 +436,22 @@ def _cheapest(pods: list[Candidate], request: RouteRequest, settings: Settings, 
 
 
 def _cost_s(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> float:
-    return sum(_terms(p, request, settings, best_match))
+    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    held = request.prefix_matches.get(p.key, 0)
+    return sum(cost_terms(waiting=p.waiting, queued=min(p.reported_waiting, p.waiting), running=p.running,
+                          rates=p.rates, uncached_tokens=(request.prefix_blocks - held) * tokens_per_block,
+                          duplicated_tokens=max(0, best_match - held) * tokens_per_block, adapter=request.adapter,
+                          active=p.active_adapters, resident=p.resident_adapters))
 
 
 def cost_parts(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> CostParts:
-    """The estimate for one candidate, part by part (for `explain`)."""
-    return estimate(**_cost_inputs(p, request, settings, best_match))
-
-
-def _terms(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> tuple[float, ...]:
-    return cost_terms(**_cost_inputs(p, request, settings, best_match))
-
-
-def _cost_inputs(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> dict:
-    """What `cost.py` needs of a candidate: its queue, batch, rates, and the prompt's tokens it lacks."""
+    """The estimate for one candidate, part by part (for `explain`): the same terms `_cost_s` sums."""
     tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
     held = request.prefix_matches.get(p.key, 0)
-    return {"waiting": p.waiting, "queued": min(p.reported_waiting, p.waiting), "running": p.running,
-            "rates": p.rates, "uncached_tokens": (request.prefix_blocks - held) * tokens_per_block,
-            "duplicated_tokens": max(0, best_match - held) * tokens_per_block, "adapter": request.adapter,
-            "active": p.active_adapters, "resident": p.resident_adapters}
+    return estimate(waiting=p.waiting, queued=min(p.reported_waiting, p.waiting), running=p.running,
+                    rates=p.rates, uncached_tokens=(request.prefix_blocks - held) * tokens_per_block,
+                    duplicated_tokens=max(0, best_match - held) * tokens_per_block, adapter=request.adapter,
+                    active=p.active_adapters, resident=p.resident_adapters)
 
 
 def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings,
