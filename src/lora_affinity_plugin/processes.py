@@ -89,6 +89,7 @@ class Proc:
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
         self.name = name
         self.embedded = False
+        self._stopped = False
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env or child_env(),
@@ -98,14 +99,23 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.popen.poll() is None:
+        code = self.popen.poll()
+        if code is not None:
+            if code != 0 and not self._stopped:  # it died on its own: what failed after needs its last words
+                self._report_early_exit(code)
+        else:
             try:
                 os.killpg(self.popen.pid, sig)
                 self.popen.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
+        self._stopped = True
         self._log.close()
+
+    def _report_early_exit(self, code: int) -> None:
+        tail = self.log()[-2000:] if self.log_path.exists() else ""
+        print(f"{self.name} had exited (code {code}) before it was stopped; its log ends:\n{tail}", file=sys.stderr)
 
 
 def redis_server(port: int, log_dir: Path, allow_embedded: bool = False) -> Proc:
