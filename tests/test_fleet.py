@@ -118,3 +118,19 @@ def test_peers_dispatches_since_the_scrape_count_as_waiting():
     assert b.waiting == 0 and fleet.peer_counts == {"a": 3}
     fleet.update({"a": rec("a", 101.0, waiting=2)})  # a newer scrape covers the peers' dispatches too
     assert fleet.candidates(["a"], 101.1)[0].waiting == 2
+
+
+def test_own_dispatches_since_the_peers_were_read_stand_for_theirs_too():
+    from lora_affinity_plugin.inflight import decode_shares, encode_share
+
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0)})
+    fleet.note_dispatch("a", "x", 100.1, call_id="before")
+    two_peers = decode_shares([encode_share({}, {}).encode(), encode_share({}, {}).encode()])
+    fleet.update_peers(two_peers, now=100.2)
+    assert fleet.candidates(["a"], 100.25)[0].waiting == 1  # shared already: the peers' own count as their own
+    fleet.note_dispatch("a", "x", 100.3, call_id="after")
+    # Sent after the peers were read: the two peers, routing alike, likely sent one each meanwhile.
+    assert fleet.candidates(["a"], 100.35)[0].waiting == 2 + 2
+    fleet.update_peers(two_peers, now=100.4)
+    assert fleet.candidates(["a"], 100.45)[0].waiting == 2

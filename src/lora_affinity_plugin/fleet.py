@@ -62,6 +62,7 @@ class FleetView:
         self.peer_counts: dict[str, int] = {}
         self.peer_processes = 0
         """Other gateway processes sharing in-flight requests, as of the last refresh."""
+        self._peers_read_at = float("inf")
         self._anonymous = 0
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
         self._dealing: dict[str, int] = {}
@@ -137,12 +138,19 @@ class FleetView:
         ordered = sorted(pods)
         return ordered[index % len(ordered)] if ordered else None
 
-    def update_peers(self, share: PeerShare) -> None:
-        """Replace what the peers sent; only their dispatches newer than a pod's scrape count."""
+    def update_peers(self, share: PeerShare, now: float | None = None) -> None:
+        """Replace what the peers sent; only their dispatches newer than a pod's scrape count.
+
+        `now`: when this refresh read the peers. What they sent since their own last refresh is not in
+        `share` yet; assuming they route alike, each of this process's dispatches since `now` stands for
+        one from each peer too (`_with_pending`)."""
         self.peer_counts = share.counts
         self.peer_processes = share.processes
+        if now is not None:
+            self._peers_read_at = now
         for pod, state in self._pods.items():
             recent = share.recent.get(pod, ())
+            state.view = None  # own dispatches since the peers were read count again for them
             if recent or state.peers:
                 state.peers = [entry for entry in recent if entry[0] > state.covered_until]
                 state.view = None
@@ -254,21 +262,23 @@ class FleetView:
                 continue
             age = now - state.record.scraped_at
             if age <= fresh_s:
-                fresh.append(state.view or self._with_pending(state))
+                fresh.append(state.view or self._with_pending(state, now))
             elif age <= backup_s and not fresh:
-                backup.append(state.view or self._with_pending(state))
+                backup.append(state.view or self._with_pending(state, now))
         return fresh or backup
 
-    @staticmethod
-    def _with_pending(state: _PodState) -> Candidate:
+    def _with_pending(self, state: _PodState, now: float) -> Candidate:
         base = state.base
         assert base is not None
         if state.pending or state.peers:
             sent = [*state.pending.values(), *state.peers]
             adapters = {a for _, a in sent if a is not None}
+            unseen = 0  # the peers' dispatches since they last shared, estimated from this process's own
+            if self.peer_processes:
+                unseen = self.peer_processes * sum(1 for at, _ in state.pending.values() if at > self._peers_read_at)
             state.view = replace(
                 base,
-                waiting=base.waiting + len(sent),
+                waiting=base.waiting + len(sent) + unseen,
                 active_adapters=base.active_adapters | adapters if adapters else base.active_adapters,
             )
         else:

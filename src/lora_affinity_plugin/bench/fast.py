@@ -233,7 +233,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             for g, policy in enumerate(policies):
                 others = [t for i, t in enumerate(tables) if i != g and t is not None]
                 if others:
-                    policy.peers(merge_shares(others))
+                    policy.peers(merge_shares(others), now)
                 for i, entries in enumerate(prefixes):
                     if i != g and entries:
                         policy.peer_prefixes(entries)

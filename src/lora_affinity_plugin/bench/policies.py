@@ -47,7 +47,7 @@ class Policy:
         """What this gateway shares with its peers through Redis, if anything."""
         return None
 
-    def peers(self, share: PeerShare) -> None:
+    def peers(self, share: PeerShare, now: float | None = None) -> None:
         pass
 
     def take_prefixes(self) -> list:
@@ -244,8 +244,8 @@ class Rules(Policy):
             return None
         return PeerShare(self.fleet.inflight.counts(), self.fleet.recent_dispatches())
 
-    def peers(self, share: PeerShare) -> None:
-        self.fleet.update_peers(share)
+    def peers(self, share: PeerShare, now: float | None = None) -> None:
+        self.fleet.update_peers(share, now)
 
 
 class PrefixPartition(Policy):
