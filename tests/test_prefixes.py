@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -299,3 +300,19 @@ def test_a_pod_holding_the_prefix_with_a_free_slot_beats_a_holder_of_the_adapter
     matched = RouteRequest("sql", prefix_blocks=8, prefix_matches={"b": 8}, placement_key=7)
     decision = choose_pod([holder, warm], matched, S, random.Random(1))
     assert (decision.pod, decision.branch) == ("b", "prefix")
+
+
+def test_a_chats_next_turn_stays_with_the_holder_of_its_history_beyond_the_load_band():
+    """Both pods run the adapter; the idle one is the load band's only member. The turn's history is on the
+    busier one, within the prefix rules' margin: recomputing it elsewhere costs more than the queue."""
+    history = pod("a", running=S.prefix_queue_margin, adapters={"sql"})
+    idle = pod("b", running=0, adapters={"sql"})
+    turn = RouteRequest("sql", prefix_blocks=8, prefix_matches={"a": 8}, placement_key=7)
+    decision = choose_pod([history, idle], turn, S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("a", "prefix")
+    trace = choose_pod([history, idle], turn, S, random.Random(1), explain=True).trace
+    assert ("least_load", ("b", "a")) in trace  # the band alone would have kept only the idle pod
+    slow = replace(history, slowness=2.0)  # a slower pod recomputes nothing faster: the band stands
+    assert choose_pod([slow, idle], turn, S, random.Random(1)).pod == "b"
+    far = pod("a", waiting=3, running=S.prefix_queue_margin, adapters={"sql"})  # a queue beyond the margin
+    assert choose_pod([far, idle], turn, S, random.Random(1)).pod == "b"

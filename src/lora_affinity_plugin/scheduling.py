@@ -301,10 +301,27 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         pods = run.apply("adapter_active", pods, roomy)
         if not long_prompt:
             return _cheapest(pods, request, settings, run, "affinity")
-        pods = run.apply("least_load", pods, _least_load(pods, run.width))  # the prefix then chooses within the band
+        # The prefix then chooses within the band; a pod holding a longer match than any in it stays eligible
+        # (the prefix rules' own queue margin judges it).
+        pods = run.apply("least_load", pods, _with_longest_match(pods, _least_load(pods, run.width), request, settings))
         return _by_prefix(pods, request, settings, run, "affinity")
 
     return _place_adapter(pods, holders, request, settings, run, by_prefix=long_prompt, costed=True)
+
+
+def _with_longest_match(pods: list[Candidate], banded: list[Candidate], request: RouteRequest,
+                        settings: Settings) -> list[Candidate]:
+    """`banded` plus the pods holding the prompt's longest cached prefix when none in `banded` holds as much
+    (a chat's history is on one pod: a load band must not send its next turn to recompute it elsewhere), unless
+    slower than the band's fastest."""
+    matches = request.prefix_matches
+    if not matches:
+        return banded
+    best = max(matches.get(p.key, 0) for p in pods)
+    if best < settings.prefix_min_blocks or any(matches.get(p.key, 0) == best for p in banded):
+        return banded
+    fastest = min(p.slowness for p in banded)  # a slower pod recomputes the rest slower too: it must win the band
+    return banded + [p for p in pods if matches.get(p.key, 0) == best and p.slowness <= fastest]
 
 
 def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest,
