@@ -316,3 +316,29 @@ def test_a_chats_next_turn_stays_with_the_holder_of_its_history_beyond_the_load_
     assert choose_pod([slow, idle], turn, S, random.Random(1)).pod == "b"
     far = pod("a", waiting=3, running=S.prefix_queue_margin, adapters={"sql"})  # a queue beyond the margin
     assert choose_pod([far, idle], turn, S, random.Random(1)).pod == "b"
+
+
+# --- several gateways place an adapter alike ---------------------------------------------------------
+
+
+def test_gateways_start_a_new_adapter_on_the_pod_the_deal_gives_it():
+    pods = [pod("a"), pod("b"), pod("c")]
+    new = RouteRequest("sql", placement_key=7, gateways=3, home="c", dealt_adapters=24)
+    decisions = [choose_pod(pods, new, S, random.Random(seed), explain=True) for seed in range(10)]
+    assert {d.pod for d in decisions} == {"c"} and all(d.trace[-1][0] == "dealt" for d in decisions)
+
+
+def test_when_every_adapter_fits_a_dealt_pod_holding_other_apps_prompts_is_passed_over():
+    """An adapter that fits stays where it starts, and so do the sessions it draws: its first long prompt
+    goes to the emptiest caches (every gateway to the same one), not to a dealt pod that holds other apps'
+    prompts. With more adapters than slots placements recur, and the deal stands."""
+    pods = [pod("a"), pod("b"), pod("c")]  # 4 slots each: 12
+    sizes = {"a": 500, "b": 0, "c": 0}
+    fits = RouteRequest("sql", prefix_blocks=8, placement_key=7, prefix_sizes=sizes, gateways=3, home="a",
+                        dealt_adapters=4)
+    chosen = {choose_pod(pods, fits, S, random.Random(seed)).pod for seed in range(10)}
+    assert len(chosen) == 1 and chosen <= {"b", "c"}  # the gateways agree, on an empty cache
+    scarce = replace(fits, dealt_adapters=24)
+    assert choose_pod(pods, scarce, S, random.Random(1)).pod == "a"
+    short = replace(fits, prefix_blocks=0)  # a short prompt leaves no cache to weigh: the deal stands
+    assert choose_pod(pods, short, S, random.Random(1)).pod == "a"

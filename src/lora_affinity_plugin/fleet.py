@@ -117,13 +117,14 @@ class FleetView:
         hashes = prompt_prefix(messages, scope, request_kwargs, settings)
         gateways = 1 + self.peer_processes
         home = self.dealt_pod(adapter, pods) if gateways > 1 and adapter is not None else None
+        dealt = len(self._dealing) if home is not None else 0
         if not hashes:
             return RouteRequest(adapter, sheddable, placement_key=placement_key(scope, ()), gateways=gateways,
-                                home=home)
+                                home=home, dealt_adapters=dealt)
         return RouteRequest(
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
             prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
-            prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home)
+            prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt)
 
     def serve(self, adapters: Iterable[str]) -> None:
         """The adapters the fleet serves (the pods' /v1/models, from discovery): what gateways deal."""

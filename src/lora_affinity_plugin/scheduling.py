@@ -99,6 +99,8 @@ class RouteRequest:
     """Gateway processes routing for this fleet (this one and the peers sharing through Redis)."""
     home: str | None = None
     """The pod the served adapters, dealt over the candidates in order, give this adapter."""
+    dealt_adapters: int = 0
+    """How many adapters that deal covers (the fleet serves)."""
 
 
 @dataclass(slots=True)
@@ -385,6 +387,13 @@ def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: Rou
     if request.gateways > 1 and request.home is not None:
         least = min(p.load for p in others)
         dealt = [p for p in others if p.key == request.home and p.load <= least + settings.spill_queue_margin]
+        if dealt and by_prefix and not _slots_scarce(pods, request):
+            # Every adapter fits: it is placed once and stays, with the sessions it draws, so the first
+            # placement also looks at the caches (a dealt pod already holding other apps' prompts is
+            # passed over for the rendezvous among the emptiest below). When slots are scarce adapters come
+            # and go all the time, and the gateways' agreement is worth more.
+            emptiest = {p.key for p in _fewest_prefixes(others, request, run.width)}
+            dealt = [p for p in dealt if p.key in emptiest]
         if dealt:
             pods = run.apply("dealt", others, dealt)
             return run.pick(pods, branch)
@@ -409,6 +418,11 @@ def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: Rou
     pods = run.apply("least_load", pods, _least_load(pods, run.width))
     pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
     return run.pick(pods, branch, agree=True)
+
+
+def _slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:
+    """More adapters served than the pods have LoRA slots (unknown slot counts: not scarce)."""
+    return request.dealt_adapters > sum(p.max_lora or request.dealt_adapters for p in pods)
 
 
 def _warm_for_adapter(pods: list[Candidate], holders: list[Candidate], roomy: list[Candidate], fleet_min: int,
