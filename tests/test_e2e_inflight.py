@@ -179,7 +179,9 @@ def test_many_concurrent_mixed_endings_end_at_zero(stack):
 
 
 def test_status_shows_the_requests_in_flight(stack):
-    stack.behave({"delay": 3.0}, {"delay": 3.0})
+    # The requests outlast `lora-affinity status` starting up and reading Redis, which on a loaded machine (CI
+    # runs four suites on two cores) took more than 3 s.
+    stack.behave({"delay": 12.0}, {"delay": 12.0})
     threads = [stack.in_background(TEXT) for _ in range(2)]
     stack.wait_inflight(2)
     out = subprocess.run([sys.executable, "-m", "lora_affinity_plugin.cli", "status", "--json", "--config",
