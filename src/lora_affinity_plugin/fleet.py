@@ -145,13 +145,15 @@ class FleetView:
         `now`: when this refresh read the peers. What they sent since their own last refresh is not in
         `share` yet; assuming they route alike, each of this process's dispatches since `now` stands for
         one from each peer too (`_with_pending`)."""
+        estimated = bool(self.peer_processes or share.processes)  # a lone gateway estimates nothing: views stand
         self.peer_counts = share.counts
         self.peer_processes = share.processes
         if now is not None:
             self._peers_read_at = now
         for pod, state in self._pods.items():
             recent = share.recent.get(pod, ())
-            state.view = None  # own dispatches since the peers were read count again for them
+            if estimated:
+                state.view = None  # own dispatches since the peers were read count again for them
             if recent or state.peers:
                 state.peers = [entry for entry in recent if entry[0] > state.covered_until]
                 state.view = None
