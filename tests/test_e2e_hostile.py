@@ -41,7 +41,9 @@ def proxies(tmp_path_factory):
         with_plugin = proxy_config([base, base + 1], redis_port)
         with_plugin["litellm_settings"]["callbacks"].insert(0, "prometheus")
         (tmp / "with.yaml").write_text(yaml.safe_dump(with_plugin))
-        (tmp / "without.yaml").write_text(yaml.safe_dump(proxy_config([base, base + 1], redis_port, "simple-shuffle")))
+        without_plugin = proxy_config([base, base + 1], redis_port, "simple-shuffle")
+        without_plugin["litellm_settings"]["callbacks"] = ["prometheus"]  # the same host callbacks but the plugin
+        (tmp / "without.yaml").write_text(yaml.safe_dump(without_plugin))
         procs.append(lora_affinity(["scrape", "--config", str(tmp / "with.yaml")], tmp, "scraper"))
         started = [start_litellm_proxy(tmp / "with.yaml", with_port, tmp, "proxy-with"),
                    start_litellm_proxy(tmp / "without.yaml", without_port, tmp, "proxy-without")]
@@ -133,16 +135,18 @@ def test_a_10mb_prompt_does_not_delay_concurrent_small_requests(proxies):
                 f.result()
         return out
 
-    # The two proxies in turn, three rounds, the order alternating: what else runs on the machine then
-    # weighs on both alike, and the rounds' spread says how much of a difference is noise.
+    # The two proxies in turn, five rounds, the order alternating: what else runs on the machine then
+    # weighs on both alike. Each proxy's median has the uncertainty of its rounds' spread, so their
+    # difference is noise up to the two spreads together (on a loaded CI machine, 20-30 ms each).
     delays: dict[str, list[float]] = {"with": [], "without": []}
-    for round_ in range(3):
+    for round_ in range(5):
         for name in (("with", "without") if round_ % 2 == 0 else ("without", "with")):
             alone = statistics.median(small_latencies(proxies[name], False))
             beside = statistics.median(small_latencies(proxies[name], True))
             delays[name].append(beside - alone)
-    noise = max(max(v) - min(v) for v in delays.values())
+    noise = sum(max(v) - min(v) for v in delays.values())
     # The proxy itself parses the 10 MB bodies (both pay that); the plugin adds no more than a few ms to it.
+    # (A gross regression shows here; the plugin's own time per decision is bounded in the test above.)
     assert statistics.median(delays["with"]) <= statistics.median(delays["without"]) + max(0.020, noise), delays
 
 
