@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.prefix_index import (
+    REFRESH_S,
     PrefixIndex,
     decode_entries,
     encode_entries,
@@ -137,6 +138,21 @@ def test_index_is_bounded_per_pod_least_recently_used_out():
     assert index.matches(new, ["a"]) == {"a": 6}
     assert index.matches(old, ["a"]) == {"a": 4}  # least recently used out first, a chain's tail before its head
     assert len(index) == 10
+
+
+def test_a_chain_used_again_within_a_second_keeps_its_place_and_later_moves_to_the_recent_end():
+    index = PrefixIndex(ttl_s=60)
+    index.set_capacity("a", 10)
+    hot, other = [1, 2, 3, 4], [50, 51, 52, 53]
+    index.add("a", hot, 10.0)
+    index.add("a", other, 10.1)
+    index.add("a", hot + [5], 10.5)  # within REFRESH_S: only its new block is entered, the rest stay put
+    assert index.sizes() == {"a": 9}
+    index.add("a", [90, 91], 10.6)  # over capacity by one: the oldest entry goes, the hot chain's tail
+    assert index.matches(hot + [5], ["a"]) == {"a": 3}
+    index.add("a", hot, 10.0 + REFRESH_S + 0.5)  # later: refreshed, its head now the most recent
+    index.add("a", [92, 93, 94], 12.0)
+    assert index.matches(hot, ["a"]) == {"a": 4} and index.matches(other, ["a"]) == {}  # the other chain went first
 
 
 def test_index_entries_expire():

@@ -66,6 +66,8 @@ class FleetView:
         self._anonymous = 0
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
         self._dealing: dict[str, int] = {}
+        self._stalest_scrape = float("-inf")
+        """The oldest scrape among pods with metrics: when it is fresh, so is every pod (no per-pod check)."""
 
     # --- background side -------------------------------------------------------------------
     def update(self, records: Mapping[str, PodRecord]) -> None:
@@ -80,6 +82,8 @@ class FleetView:
                 self._size_index(pod, record.metrics.num_gpu_blocks, record.metrics.block_size)
             state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
                                lag_s=self.settings.dispatch_lag_ms / 1000)
+        self._stalest_scrape = min((state.record.scraped_at for state in self._pods.values() if state.base is not None),
+                                   default=float("-inf"))
         self._compare_speeds()
 
     def _compare_speeds(self) -> None:
@@ -256,11 +260,19 @@ class FleetView:
         refresh): the dispatches counted since keep such a view usable. Failing pods never appear.
         """
         fresh_s = self.settings.stale_after_ms / 1000
+        get = self._pods.get
+        if now - self._stalest_scrape <= fresh_s:  # the common case: every pod with metrics is fresh
+            fresh = []
+            for pod in pods:
+                state = get(pod)
+                if state is not None and state.base is not None:
+                    fresh.append(state.view or self._with_pending(state, now))
+            return fresh
         backup_s = self.settings.metrics_ttl_ms / 1000
-        fresh: list[Candidate] = []
+        fresh = []
         backup: list[Candidate] = []
         for pod in pods:
-            state = self._pods.get(pod)
+            state = get(pod)
             if state is None or state.base is None:
                 continue
             age = now - state.record.scraped_at

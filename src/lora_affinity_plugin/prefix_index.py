@@ -17,6 +17,9 @@ from typing import Collection, Iterator, Mapping, Sequence
 
 DEFAULT_CAPACITY = 4096
 """Blocks per pod when the pod does not report its cache size."""
+REFRESH_S = 1.0
+"""A held block used again within this long keeps its place: a hot prefix costs one lookup per request, not a
+move per block (the LRU order is then right to within a second or two; the index is a hint)."""
 MAX_CAPACITY = 1 << 20
 """Blocks per pod whatever it reports (~190 MB per pod at most; 100,000 GPU blocks need ~25,000)."""
 
@@ -71,7 +74,10 @@ class PrefixIndex:
             lru = self._pods[pod] = OrderedDict()
         holders = self._holders
         for h in reversed(hashes):  # the chain's head ends most recent: evicted last, as vLLM frees the tail first
-            if h in lru:
+            held = lru.get(h)
+            if held is not None:
+                if at - held < REFRESH_S:
+                    break  # this block came with its whole chain moments ago: the blocks before it are as recent
                 lru.move_to_end(h)
             else:
                 holding = holders.get(h)
@@ -83,8 +89,7 @@ class PrefixIndex:
                 else:
                     holding.add(pod)
             lru[h] = at
-        capacity = self._capacity.get(pod, DEFAULT_CAPACITY)
-        while len(lru) > capacity:
+        for _ in range(len(lru) - self._capacity.get(pod, DEFAULT_CAPACITY)):
             self._drop(pod, lru.popitem(last=False)[0])
         if share:
             self._outbox.append((at, pod, hashes))

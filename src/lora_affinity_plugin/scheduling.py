@@ -70,10 +70,11 @@ class Candidate:
     """How much slower than the fleet's median pod it runs (`cost.relative_slowness`); 1.0 within the noise."""
     kv_free_tokens: int | None = None
     """Tokens its KV cache had free at the scrape (None: the page did not say how big the cache is)."""
+    load: int = field(init=False, repr=False, compare=False)
+    """waiting + running (a field, not a property: the rules read it for every pod at every step)."""
 
-    @property
-    def load(self) -> int:
-        return self.waiting + self.running
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "load", self.waiting + self.running)
 
     def has_free_slot(self) -> bool:
         # max_lora unknown (None) or 0 (LoRA off, or an old server) never blocks placement.
@@ -345,8 +346,9 @@ def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], requ
     if admitting and min(admitting) <= min(p.slowness for p in pods):
         return False  # a holder admits it at once, and no pod is faster
     adapter = request.adapter
-    others = [p for p in pods if adapter not in p.active_adapters and _admits_now(p, uncached(p))
-              and (not p.max_lora or len(p.active_adapters) + 2 <= p.max_lora)]  # still a free slot after it
+    others = [p for p in pods if adapter not in p.active_adapters
+              and (not p.max_lora or len(p.active_adapters) + 2 <= p.max_lora)  # still a free slot after it
+              and _admits_now(p, uncached(p))]
     if not others or admitting and min(admitting) <= min(p.slowness for p in others):
         return False  # nobody else admits it now, or no faster pod would
     best_match = max(matches.values(), default=0)
@@ -368,7 +370,7 @@ def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, by
 
     `by_speed`: a pod's load counts at its `slowness`, so a pod running at half speed, which carries each
     request twice as long, spills its adapters at half the load."""
-    fleet_min = min(p.load for p in pods)
+    fleet_min = min([p.load for p in pods])
     holders = [p for p in pods if adapter in p.active_adapters]
     edge = fleet_min + settings.spill_queue_margin
     if by_speed:
@@ -434,7 +436,7 @@ def _warm_for_adapter(pods: list[Candidate], holders: list[Candidate], roomy: li
     edge = fleet_min + settings.spill_queue_margin + settings.prefix_queue_margin
     roomy_keys, holder_keys = {p.key for p in roomy}, {p.key for p in holders}  # (keys: comparing candidates is slow)
     extra = []
-    for p in _warm(_not_far_busier(pods, settings), request, settings):
+    for p in _warm(pods, request, settings):
         if p.key in roomy_keys:
             continue
         if p.key in holder_keys and p.load <= edge or p.key not in holder_keys and p.has_free_slot():
@@ -489,11 +491,10 @@ def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Sett
                     run: _Run) -> tuple[list[Candidate], bool]:
     """Among pods the adapter rules allow: the longest match (not far busier), else the emptiest caches.
     Returns the pods and whether a match chose them."""
-    roomy = _not_far_busier(pods, settings)
-    warm = _warm(roomy, request, settings) if request.prefix_matches else []
+    warm = _warm(pods, request, settings)
     if warm:
         return run.apply("prefix_match", pods, warm), True
-    pods = run.apply("roomy", pods, roomy)
+    pods = run.apply("roomy", pods, _not_far_busier(pods, settings))
     return run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width)), False
 
 
@@ -514,14 +515,13 @@ def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Se
     pods = run.apply("low_queue", pods, low_queue)
     long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
     if long_prompt:
-        roomy = _not_far_busier(pods, settings)
-        warm = _warm(roomy, request, settings) if request.prefix_matches else []
+        warm = _warm(pods, request, settings)
         if warm:
             pods = run.apply("prefix_match", pods, warm)
             pods = run.apply("least_load", pods, _least_load(pods, run.width))
             pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
             return run.pick(pods, "prefix", agree=True)
-        return _new_prefix_v1(pods, roomy, request, run)
+        return _new_prefix_v1(pods, _not_far_busier(pods, settings), request, run)
     if request.adapter is None:
         return _least(pods, run, "base_model")
 
@@ -532,15 +532,16 @@ def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Se
     return _place_adapter(pods, holders, request, settings, run, by_prefix=False)
 
 
-def _not_far_busier(pods: list[Candidate], settings: Settings) -> list[Candidate]:
-    """Pods not far busier: a pod is far busier when it reported a queue longer than the shortest by more
-    than one request (a request just sent, or one waiting for the next step, is not a queue) and its load
-    is beyond both `prefix_queue_margin` above the least and `prefix_queue_ratio` times it."""
-    loads = [p.waiting + p.running for p in pods]
-    least = min(loads)
+def _not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candidate] | None = None
+                    ) -> list[Candidate]:
+    """Pods (of `among`, default all) not far busier than `pods`' least busy: a pod is far busier when it reported
+    a queue longer than the shortest by more than one request (a request just sent, or one waiting for the next
+    step, is not a queue) and its load is beyond both `prefix_queue_margin` above the least and
+    `prefix_queue_ratio` times it."""
+    least = min([p.load for p in pods])
     edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
-    queue_edge = min(p.reported_waiting for p in pods) + 1  # one waiting request is the next step's admission
-    return [p for p, load in zip(pods, loads) if load <= edge or p.reported_waiting <= queue_edge]
+    queue_edge = min([p.reported_waiting for p in pods]) + 1  # one waiting request is the next step's admission
+    return [p for p in (pods if among is None else among) if p.load <= edge or p.reported_waiting <= queue_edge]
 
 
 def _new_prefix_v1(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
@@ -568,16 +569,21 @@ def _fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float)
     return [p for p, size in zip(pods, sizes) if size <= edge]
 
 
-def _warm(roomy: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
-    """Pods holding the longest prefix among those not far busier than the least busy one (`roomy`).
+def _warm(pods: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
+    """Pods holding the longest prefix among those not far busier than the least busy one (`_not_far_busier`).
 
     Reuse saves the matched tokens' prefill and keeps one copy of the prefix in the fleet; a queue
-    costs every request in it. So a match wins only on a pod not far busier than the least loaded
-    (`_not_far_busier`), and a busier pod with a longer match loses to a roomier one with a shorter
-    match (or none: then the prompt is placed as new).
+    costs every request in it. So a match wins only on a pod not far busier than the least loaded,
+    and a busier pod with a longer match loses to a roomier one with a shorter match (or none: then
+    the prompt is placed as new). (The holders are few: the load test runs on them alone.)
     """
     matches = request.prefix_matches
-    held = [(matches[p.key], p) for p in roomy if p.key in matches]
+    if not matches:
+        return []
+    holders = [p for p in pods if p.key in matches]
+    if not holders:
+        return []
+    held = [(matches[p.key], p) for p in _not_far_busier(pods, settings, among=holders)]
     best = max((n for n, _ in held), default=0)
     if best < settings.prefix_min_blocks:
         return []

@@ -61,6 +61,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.pools = PooledClients()
         self._fallbacks: OrderedDict[str, Episode] = OrderedDict()
         """One episode per model group: a broken group and a healthy one do not make each other's log flap."""
+        self._decision_counters: dict[tuple[str, str], Any] = {}
         self._refresher: asyncio.Task | None = None
         self.decisions = 0
         self.fallbacks = 0
@@ -168,7 +169,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             if len(self._tried) > _TRIED_CALLS:
                 self._tried.popitem(last=False)
         self.decisions += 1
-        DECISIONS.labels(decision.branch, _group(model, healthy)).inc()
+        self._decision_counter(decision.branch, _group(model, healthy)).inc()
         return by_pod[decision.pod]
 
     def pooled_client(self, call_kwargs: Mapping[str, Any], call_type: Any) -> Any | None:
@@ -194,6 +195,15 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             params = call_kwargs.get("litellm_params") or {"api_base": call_kwargs.get("api_base")}
             pod = deployment_pod({"litellm_params": params})
         return pod
+
+    def _decision_counter(self, branch: str, group: str) -> Any:
+        """The labelled child of DECISIONS (kept: looking it up costs more than the rest of counting)."""
+        counter = self._decision_counters.get((branch, group))
+        if counter is None:
+            if len(self._decision_counters) >= _NAMES_CACHED:
+                self._decision_counters.clear()
+            counter = self._decision_counters[branch, group] = DECISIONS.labels(branch, group)
+        return counter
 
     def _fallback(self, model: str) -> Episode:
         episode = self._fallbacks.get(model)
