@@ -85,6 +85,7 @@ class FleetView:
         self._stalest_scrape = min((state.record.scraped_at for state in self._pods.values() if state.base is not None),
                                    default=float("-inf"))
         self._compare_speeds()
+        self._build_views()
 
     def _compare_speeds(self) -> None:
         """Each pod's slowness against the fleet's median pod (a pod at half speed: 2.0)."""
@@ -148,7 +149,7 @@ class FleetView:
 
         `now`: when this refresh read the peers. What they sent since their own last refresh is not in
         `share` yet; assuming they route alike, each of this process's dispatches since `now` stands for
-        one from each peer too (`_with_pending`)."""
+        one from each peer too (`_view`)."""
         estimated = bool(self.peer_processes or share.processes)  # a lone gateway estimates nothing: views stand
         self.peer_counts = share.counts
         self.peer_processes = share.processes
@@ -165,6 +166,13 @@ class FleetView:
                 for _, adapter in state.peers:  # a peer's dispatch leaves its adapter resident too
                     if adapter is not None:
                         _touch(state.resident, adapter, slots)
+        self._build_views()
+
+    def _build_views(self) -> None:
+        """Here, in the refresh, not on the next request: a refresh renews every view at once."""
+        for state in self._pods.values():
+            if state.view is None and state.base is not None:
+                self._view(state)
 
     def recent_dispatches(self) -> dict[str, list[tuple[float, str | None]]]:
         """This process's share for its peers: unfinished dispatches no scrape has covered yet."""
@@ -266,7 +274,7 @@ class FleetView:
             for pod in pods:
                 state = get(pod)
                 if state is not None and state.base is not None:
-                    fresh.append(state.view or self._with_pending(state, now))
+                    fresh.append(state.view or self._view(state))
             return fresh
         backup_s = self.settings.metrics_ttl_ms / 1000
         fresh = []
@@ -277,12 +285,12 @@ class FleetView:
                 continue
             age = now - state.record.scraped_at
             if age <= fresh_s:
-                fresh.append(state.view or self._with_pending(state, now))
+                fresh.append(state.view or self._view(state))
             elif age <= backup_s and not fresh:
-                backup.append(state.view or self._with_pending(state, now))
+                backup.append(state.view or self._view(state))
         return fresh or backup
 
-    def _with_pending(self, state: _PodState, now: float) -> Candidate:
+    def _view(self, state: _PodState) -> Candidate:
         base = state.base
         assert base is not None
         if state.pending or state.peers:
