@@ -155,6 +155,15 @@ def test_a_chain_used_again_within_a_second_keeps_its_place_and_later_moves_to_t
     assert index.matches(hot, ["a"]) == {"a": 4} and index.matches(other, ["a"]) == {}  # the other chain went first
 
 
+def test_a_peers_blocks_are_all_entered_though_not_one_chain():
+    index = PrefixIndex(ttl_s=60)
+    index.add("a", [1, 2, 3], 10.0)
+    index.add_shared("a", [7, 8, 3, 9], 10.2)  # a peer's newest blocks of several chains, 3 among them
+    assert index.sizes() == {"a": 6}
+    assert index.matches([7, 8], ["a"]) == {"a": 2} and index.matches([9], ["a"]) == {"a": 1}
+    assert index.take_outbox(limit=100) == [("a", 10.0, [1, 2, 3])]  # a peer's blocks are not shared again
+
+
 def test_index_entries_expire():
     index = PrefixIndex(ttl_s=10)
     index.add("a", [1, 2, 3], 100.0)

@@ -295,3 +295,21 @@ async def test_in_flight_hooks_count_a_call_once_and_end_it_once(monkeypatch):
     finally:
         plugin._watcher and plugin._watcher.cancel()
         strategy.stop()
+
+
+def test_deployments_map_to_their_pods_first_one_kept_whatever_they_carry():
+    index = strategy_mod._DeploymentIndex()
+
+    def deployment(api_base, model_id=None, name="m"):
+        return {"model_name": name, "litellm_params": {"model": "hosted_vllm/m", "api_base": api_base},
+                "model_info": {"id": model_id} if model_id else None}
+
+    a1, b = deployment("http://a:8000/v1", "1"), deployment("http://b:8000/v1", "2")
+    a2 = deployment("http://a:8000/v1", "3", name="other")  # the same pod listed again
+    no_id = deployment("http://c:8000/v1")
+    nowhere = deployment(None, "4")
+    assert index.by_pod([a1, b]) == {"http://a:8000": a1, "http://b:8000": b}
+    assert list(index.by_pod([b, a1, a2])) == ["http://b:8000", "http://a:8000"]
+    assert index.by_pod([b, a1, a2])["http://a:8000"] is a1
+    assert index.by_pod([no_id, nowhere, a2]) == {"http://c:8000": no_id, "http://a:8000": a2}
+    assert index.by_pod([]) == {}

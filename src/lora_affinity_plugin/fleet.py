@@ -270,12 +270,8 @@ class FleetView:
         fresh_s = self.settings.stale_after_ms / 1000
         get = self._pods.get
         if now - self._stalest_scrape <= fresh_s:  # the common case: every pod with metrics is fresh
-            fresh = []
-            for pod in pods:
-                state = get(pod)
-                if state is not None and state.base is not None:
-                    fresh.append(state.view or self._view(state))
-            return fresh
+            return [state.view or self._view(state) for state in map(get, pods)
+                    if state is not None and state.base is not None]
         backup_s = self.settings.metrics_ttl_ms / 1000
         fresh = []
         backup: list[Candidate] = []

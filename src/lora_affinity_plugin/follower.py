@@ -181,7 +181,7 @@ class Follower:
             if values.get(b"p") == own:
                 continue
             for pod, at, hashes in decode_entries(values.get(b"e", b"")):
-                self.fleet.prefixes.add(pod, hashes, at, share=False)
+                self.fleet.prefixes.add_shared(pod, hashes, at)
 
     def _sweep(self) -> None:
         swept = self.fleet.sweep(time.time() - self.settings.inflight_timeout_ms / 1000)

@@ -305,4 +305,4 @@ def _replay_shared_prefixes(client: redis.Redis, fleet: FleetView, settings: Set
     """The proxies' recent index entries, as shared through Redis: what a proxy would match against."""
     for _, fields in client.xrange(prefix_stream_key(settings.key_prefix), "-", "+"):
         for pod, at, hashes in decode_entries(fields.get(b"e", b"")):
-            fleet.prefixes.add(pod, hashes, at, share=False)
+            fleet.prefixes.add_shared(pod, hashes, at)

@@ -13,6 +13,7 @@ import base64
 import json
 import struct
 from collections import OrderedDict
+from itertools import repeat
 from typing import Collection, Iterator, Mapping, Sequence
 
 DEFAULT_CAPACITY = 4096
@@ -66,33 +67,59 @@ class PrefixIndex:
         return out
 
     def add(self, pod: str, hashes: Sequence[int], at: float, *, share: bool = True) -> None:
-        """`pod` now holds these blocks (a request was sent there, by us or by a peer)."""
+        """`pod` now holds this prompt's chain (a request was sent there)."""
         if not hashes:
             return
+        lru = self._lru(pod)
+        if hashes[0] not in lru:  # a chain new to this pod (it enters chains whole and frees their tails first)
+            lru.update(zip(reversed(hashes), repeat(at)))  # one C call; the head ends most recent (see _refresh)
+            self._enter(pod, lru, hashes)
+        else:
+            self._enter(pod, lru, self._refresh(lru, hashes, at, chain=True))
+        if share:
+            self._outbox.append((at, pod, hashes))
+
+    def add_shared(self, pod: str, hashes: Sequence[int], at: float) -> None:
+        """A peer's blocks for `pod` (the newest blocks of its chains, not one chain): each entered or moved."""
+        if hashes:
+            lru = self._lru(pod)
+            self._enter(pod, lru, self._refresh(lru, hashes, at, chain=False))
+
+    def _lru(self, pod: str) -> OrderedDict[int, float]:
         lru = self._pods.get(pod)
         if lru is None:
             lru = self._pods[pod] = OrderedDict()
-        holders = self._holders
-        for h in reversed(hashes):  # the chain's head ends most recent: evicted last, as vLLM frees the tail first
+        return lru
+
+    @staticmethod
+    def _refresh(lru: OrderedDict[int, float], hashes: Sequence[int], at: float, chain: bool) -> list[int]:
+        """Moves held blocks to the recent end, appends the others; returns those (not yet in `_holders`)."""
+        entered = []
+        for h in reversed(hashes):  # a chain's head ends most recent: evicted last, as vLLM frees the tail first
             held = lru.get(h)
-            if held is not None:
-                if at - held < REFRESH_S:
-                    break  # this block came with its whole chain moments ago: the blocks before it are as recent
-                lru.move_to_end(h)
+            if held is None:
+                entered.append(h)
+            elif chain and at - held < REFRESH_S:
+                break  # this block came with its whole chain moments ago: the blocks before it are as recent
             else:
-                holding = holders.get(h)
-                if holding is None:
-                    holders[h] = pod
-                elif isinstance(holding, str):
-                    if holding != pod:
-                        holders[h] = {holding, pod}
-                else:
-                    holding.add(pod)
+                lru.move_to_end(h)
             lru[h] = at
+        return entered
+
+    def _enter(self, pod: str, lru: OrderedDict[int, float], entered: Sequence[int]) -> None:
+        holders = self._holders
+        get = holders.get
+        for h in entered:
+            holding = get(h)
+            if holding is None:
+                holders[h] = pod
+            elif isinstance(holding, str):
+                if holding != pod:
+                    holders[h] = {holding, pod}
+            else:
+                holding.add(pod)
         for _ in range(len(lru) - self._capacity.get(pod, DEFAULT_CAPACITY)):
             self._drop(pod, lru.popitem(last=False)[0])
-        if share:
-            self._outbox.append((at, pod, hashes))
 
     # --- background side ----------------------------------------------------------------------
     def set_capacity(self, pod: str, blocks: int) -> None:

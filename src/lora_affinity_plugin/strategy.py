@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
+import operator
 import random
 import time
 import weakref
@@ -127,15 +128,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         return deployment
 
     def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any) -> dict | None:
-        by_pod: dict[str, dict] = {}
-        known = self._index.pods_by_id
-        for deployment in healthy:
-            info = deployment.get("model_info")
-            pod = known.get(info.get("id")) if info else None
-            if pod is None:
-                pod = self._index.pod(deployment)
-            if pod is not None and pod not in by_pod:
-                by_pod[pod] = deployment
+        by_pod = self._index.by_pod(healthy)
         now = time.time()
         candidates = self.fleet.candidates(list(by_pod), now)
         call_id = request_kwargs.get("litellm_call_id")
@@ -272,6 +265,10 @@ def _group(model: str, healthy: list[dict]) -> str:
     return str(healthy[0].get("model_name") or model) if healthy else model
 
 
+_MODEL_INFO = operator.itemgetter("model_info")
+_ID = operator.itemgetter("id")
+
+
 class _DeploymentIndex:
     """Caches deployment -> pod and model name -> pods; rebuilt when the router's model list changes."""
 
@@ -287,6 +284,23 @@ class _DeploymentIndex:
         if pod is not None and dep_id is not None:
             self.pods_by_id[dep_id] = pod
         return pod
+
+    def by_pod(self, healthy: list[dict]) -> dict[str, dict]:
+        """pod -> the first of `healthy` on it, in order. Runs for every request: the common case (every
+        deployment's id already seen) maps in C, with no Python step per deployment."""
+        try:
+            pods: list[str | None] = list(map(self.pods_by_id.get, map(_ID, map(_MODEL_INFO, healthy))))
+        except (KeyError, TypeError):  # a deployment without model_info.id
+            pods = [None] * len(healthy)
+        if None in pods:
+            pods = [pod if pod is not None else self.pod(deployment) for pod, deployment in zip(pods, healthy)]
+        by_pod = dict(zip(pods, healthy))
+        if len(by_pod) != len(healthy) or None in by_pod:  # a pod listed twice, or a deployment on no pod
+            by_pod = {}
+            for pod, deployment in zip(pods, healthy):
+                if pod is not None and pod not in by_pod:
+                    by_pod[pod] = deployment
+        return by_pod
 
     def pods_for_model(self, model_list: list[dict], model: str) -> list[str]:
         list_id = (id(model_list), len(model_list))

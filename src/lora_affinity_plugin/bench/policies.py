@@ -234,7 +234,7 @@ class Rules(Policy):
 
     def peer_prefixes(self, entries: list) -> None:
         for pod, at, hashes in entries:
-            self.fleet.prefixes.add(pod, hashes, at, share=False)
+            self.fleet.prefixes.add_shared(pod, hashes, at)
 
     def ended(self, call_id: str) -> None:
         self.fleet.end(call_id)
