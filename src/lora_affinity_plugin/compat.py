@@ -146,6 +146,21 @@ def registered_strategy(router: Any) -> Any | None:
     return getattr(bound, "__self__", None)
 
 
+async def healthy_deployments(router: Any, model: str, request_kwargs: dict, messages: Any, input: Any,
+                              specific_deployment: Any) -> Any:
+    """The deployments LiteLLM would pick among (cooldowns and filters applied), or one as a dict.
+
+    1.110+: `Router.select(kind="healthy")`; `async_get_healthy_deployments` became its deprecated alias,
+    which warns on every call (a `DeprecationWarning` and a count, per request). Older releases: the method.
+    """
+    if _rust_core(router) is not None and hasattr(router, "select"):
+        return await router.select(model, request_kwargs, kind="healthy", messages=messages, input=input,
+                                   specific_deployment=specific_deployment)
+    return await router.async_get_healthy_deployments(
+        model=model, request_kwargs=request_kwargs, messages=messages, input=input,
+        specific_deployment=specific_deployment)
+
+
 async def host_pick(router: Any, model: str, messages: Any, input: Any, specific_deployment: Any,
                     request_kwargs: dict) -> Any:
     """LiteLLM's own pick for a model group the plugin does not route.
@@ -160,9 +175,7 @@ async def host_pick(router: Any, model: str, messages: Any, input: Any, specific
         return await type(router).async_get_available_deployment(
             router, model=model, messages=messages, input=input, specific_deployment=specific_deployment,
             request_kwargs=request_kwargs)
-    healthy = await router.async_get_healthy_deployments(
-        model=model, request_kwargs=request_kwargs, messages=messages, input=input,
-        specific_deployment=specific_deployment)
+    healthy = await healthy_deployments(router, model, request_kwargs, messages, input, specific_deployment)
     if isinstance(healthy, dict) or not healthy:
         return healthy
     from litellm.router_strategy.simple_shuffle import simple_shuffle

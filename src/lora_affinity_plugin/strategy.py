@@ -27,7 +27,7 @@ import litellm
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
-from .compat import host_pick, host_pick_sync, register_strategy, registered_strategy
+from .compat import healthy_deployments, host_pick, host_pick_sync, register_strategy, registered_strategy
 from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
@@ -85,10 +85,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
     async def _route(self, model: str, messages, input, specific_deployment, request_kwargs: dict) -> dict:
         if not self._manages(model):
             return await host_pick(self.router, model, messages, input, specific_deployment, request_kwargs)
-        healthy = await self.router.async_get_healthy_deployments(
-            model=model, request_kwargs=request_kwargs, messages=messages, input=input,
-            specific_deployment=specific_deployment,
-        )
+        healthy = await healthy_deployments(self.router, model, request_kwargs, messages, input, specific_deployment)
         if isinstance(healthy, dict):
             return healthy
         return self.pick(model, healthy, request_kwargs, messages)
