@@ -41,6 +41,19 @@ def test_stale_and_failing_pods_are_left_out():
     assert [c.key for c in fleet.candidates(["a", "b", "c", "unknown"], 100.1)] == ["a"]
 
 
+def test_a_pod_that_refused_a_connection_is_out_until_a_later_scrape_reads_it():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 100.0)})
+    assert fleet.refused("a", 100.2) is True
+    assert fleet.refused("a", 100.21) is False  # already out
+    assert [c.key for c in fleet.candidates(["a", "b"], 100.3)] == ["b"]
+    fleet.update({"a": rec("a", 100.15), "b": rec("b", 100.15)})  # scraped before it refused: not evidence
+    assert [c.key for c in fleet.candidates(["a", "b"], 100.3)] == ["b"]
+    fleet.update({"a": rec("a", 100.4), "b": rec("b", 100.4)})  # read after it refused: back
+    assert [c.key for c in fleet.candidates(["a", "b"], 100.5)] == ["a", "b"]
+    assert fleet.refused("unknown", 100.5) is False
+
+
 def test_stale_pods_are_backups_until_their_ttl():
     fleet = FleetView(S)
     fleet.update({"a": rec("a", 100.0), "b": rec("b", 99.0)})

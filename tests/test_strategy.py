@@ -7,6 +7,7 @@ import random
 import time
 import warnings
 
+import httpx
 import litellm
 import pytest
 
@@ -319,3 +320,22 @@ def test_deployments_map_to_their_pods_first_one_kept_whatever_they_carry():
     assert index.by_pod([b, a1, a2])["http://a:8000"] is a1
     assert index.by_pod([no_id, nowhere, a2]) == {"http://c:8000": no_id, "http://a:8000": a2}
     assert index.by_pod([]) == {}
+
+
+def _raised(*chain: BaseException) -> BaseException:
+    """`chain[0]` raised while handling `chain[1]`, itself while handling `chain[2]`...: LiteLLM's wrapping."""
+    for outer, inner in zip(chain, chain[1:]):
+        outer.__context__ = inner
+    return chain[0]
+
+
+def test_only_a_connection_that_was_never_made_takes_a_pod_out():
+    from lora_affinity_plugin.proxy_callback import _could_not_connect
+
+    refused = _raised(litellm.InternalServerError("Connection error.", "hosted_vllm", "m"),
+                      httpx.ConnectError("Cannot connect to host"), ConnectionRefusedError(111, "refused"))
+    assert _could_not_connect(refused)
+    timed_out = _raised(litellm.Timeout("timed out", "m", "hosted_vllm"), httpx.ReadTimeout("read timed out"))
+    assert not _could_not_connect(timed_out)  # a slow pod is the rules' business, not dead
+    assert not _could_not_connect(litellm.BadRequestError("bad", "m", "hosted_vllm"))  # the caller's mistake
+    assert not _could_not_connect(None)

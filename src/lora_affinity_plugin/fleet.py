@@ -39,6 +39,8 @@ class _PodState:
     covered_until: float = 0.0
     view: Candidate | None = None
     """`base` plus `pending` and `peers`, cached until any changes."""
+    refused_at: float = float("-inf")
+    """When a request last found the pod refusing connections: records scraped before that are not used."""
 
     def drop_covered(self, horizon: float, lag_s: float) -> None:
         self.covered_until = max(horizon, self.record.scraped_at - lag_s)
@@ -77,7 +79,8 @@ class FleetView:
             if state is None:
                 state = self._pods[pod] = _PodState(record=record, base=None)
             state.record = record
-            state.base = self._base_candidate(state) if record.metrics is not None else None
+            usable = record.metrics is not None and record.scraped_at > state.refused_at
+            state.base = self._base_candidate(state) if usable else None
             if record.metrics is not None:
                 self._size_index(pod, record.metrics.num_gpu_blocks, record.metrics.block_size)
             state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
@@ -241,6 +244,18 @@ class FleetView:
         state.view = None
         if adapter is not None:
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
+
+    def refused(self, pod: str, now: float) -> bool:
+        """A request could not connect to `pod`: it leaves the candidates now, not after its metrics go
+        stale, and comes back with the first record scraped after `now` (a pod that is back answers
+        its next scrape). True when the pod was a candidate until now."""
+        state = self._pods.get(pod)
+        if state is None:
+            return False
+        was_candidate = state.base is not None
+        state.refused_at = max(state.refused_at, now)
+        state.base = state.view = None
+        return was_candidate
 
     def end(self, call_id: str) -> Dispatch | None:
         """The request ended (any way); it leaves the pod's queue now rather than at the next scrape."""

@@ -38,4 +38,7 @@ POD_KV = Gauge("lora_affinity_pod_kv_cache_usage", "The pod's KV-cache use (0-1)
 POD_ADAPTERS = Gauge("lora_affinity_pod_active_adapters", "Adapters running or waiting on the pod, last scrape", ["pod"])
 POD_MAX_LORA = Gauge("lora_affinity_pod_max_lora", "The pod's --max-loras, when its page says", ["pod"])
 INFLIGHT = Gauge("lora_affinity_inflight_requests", "Requests this process sent to a pod that have not ended", ["pod"])
+POD_REFUSED = Counter("lora_affinity_pod_connection_refused_total",
+                      "Requests that could not connect to the pod (it leaves routing until a later scrape reads it)",
+                      ["pod"])
 INFLIGHT_SWEPT = Counter("lora_affinity_inflight_swept_total", "In-flight entries released by the sweeper (no hook ended them)")

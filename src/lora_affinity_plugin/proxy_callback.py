@@ -12,12 +12,15 @@ import os
 import time
 from typing import Any, Mapping
 
+import httpx
 from litellm.integrations.custom_logger import CustomLogger
 
 from .compat import models_a_caller_may_call
 from .discovery import install_listing
 from .fleet import FleetView
+from .inflight import Dispatch
 from .memtrace import ENV, install_from_env
+from .metrics import POD_REFUSED
 from .pods import discover_pods
 from .pooling import warn_if_litellm_outlives_server_keepalive
 from .settings import Settings, load_config, settings_from_config
@@ -161,7 +164,12 @@ class ProxyPlugin(CustomLogger):
         self._end_call(kwargs, "success log")
 
     async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
-        self._end_call(kwargs, "failure log")
+        ended = self._end_call(kwargs, "failure log")
+        try:
+            if _could_not_connect(kwargs.get("exception")):
+                self._pod_refused(ended.pod if ended is not None else None, kwargs)
+        except Exception:
+            logger.exception("lora-affinity could not take a failed connection into account")
 
     async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
                                            traceback_str=None):
@@ -175,15 +183,42 @@ class ProxyPlugin(CustomLogger):
         finally:  # end of stream, upstream error or the client leaving (CancelledError/GeneratorExit)
             self._end_call(request_data, "stream end")
 
-    def _end_call(self, data: Mapping[str, Any] | None, via: str) -> None:
+    def _end_call(self, data: Mapping[str, Any] | None, via: str) -> Dispatch | None:
         try:
             call_id = data.get("litellm_call_id") if data else None
             if call_id and self._fleet is not None:
                 ended = self._fleet.end(call_id)
                 if ended is not None and logger.isEnabledFor(logging.DEBUG):
                     logger.debug("call %s on %s ended (%s)", call_id, ended.pod, via)
+                return ended
         except Exception:
             logger.exception("lora-affinity could not end a request in flight")
+        return None
+
+    def _pod_refused(self, pod: str | None, kwargs: Mapping[str, Any]) -> None:
+        """A dead pod is out of routing at its first refused connection (LiteLLM retries that request
+        elsewhere), not only once its metrics go stale: the scraper's next page brings it back."""
+        if pod is None and self._strategy is not None:
+            pod = self._strategy.pod_of(kwargs)
+        if pod is None or self._fleet is None:
+            return
+        POD_REFUSED.labels(pod).inc()
+        if self._fleet.refused(pod, time.time()):
+            logger.warning("%s refused a connection: no requests go there until a scrape reads it again", pod)
+        else:
+            logger.debug("%s refused a connection (already out of routing)", pod)
+
+
+def _could_not_connect(exc: BaseException | None) -> bool:
+    """LiteLLM wraps transport errors (as InternalServerError, APIConnectionError...): look down the chain
+    for the one that says no connection was made, so a pod's HTTP errors or timeouts do not count."""
+    for _ in range(12):
+        if exc is None:
+            return False
+        if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 proxy_plugin = ProxyPlugin()
