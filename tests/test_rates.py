@@ -7,7 +7,7 @@ import pytest
 
 from lora_affinity_plugin.cost import DEFAULT_RATES, PodRates
 from lora_affinity_plugin.parsing import parse_metrics
-from lora_affinity_plugin.rates import PodCounters, RateTracker
+from lora_affinity_plugin.rates import PodCounters, RateTracker, decode_load
 from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
@@ -17,19 +17,20 @@ S = build_settings({}, environ={})
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-metrics"  # a copy of shared/fixtures/vllm-metrics
 
 
-def _drive(speed: float, seconds: float = 30.0, scrape_s: float = 0.2) -> PodRates:
-    """A replica at `speed` under steady load, scraped every `scrape_s` into a tracker."""
+def _drive(speed: float, seconds: float = 30.0, scrape_s: float = 0.2, concurrency: int = 20) -> PodRates:
+    """A replica at `speed` with `concurrency` requests on it, scraped every `scrape_s` into a tracker."""
     engine = ReplicaEngine(EngineConfig(speed=speed, mean_output_tokens=50), random.Random(3))
     tracker, rates, now, next_scrape, n = RateTracker(), DEFAULT_RATES, 0.0, 0.0, 0
     while now < seconds:
-        if len(engine.waiting) + len(engine.running) < 20:
+        if len(engine.waiting) + len(engine.running) < concurrency:
             engine.add(Sequence(str(n), "sql-lora", 300, engine.output_length(100), now), now)
             n += 1
         duration = engine.plan_step() / 1000 or 0.01
         now += duration
         engine.finish_step(now)
         if now >= next_scrape:
-            rates = tracker.observe("pod", engine.counters(), now)
+            page = engine.snapshot()
+            rates = tracker.observe("pod", page.counters, now, *decode_load(page))
             next_scrape = now + scrape_s
     return rates
 
@@ -38,8 +39,19 @@ def test_a_half_speed_replica_is_learned_as_half_speed():
     fast, slow = _drive(1.0), _drive(0.5)
     assert fast.learned and slow.learned
     assert 1.7 < slow.decode_step_s / fast.decode_step_s < 2.3
+    assert 1.7 < slow.decode_factor / fast.decode_factor < 2.3
     assert 1.6 < slow.prefill_factor / fast.prefill_factor < 2.5
     assert 30 < fast.mean_output_tokens < 80  # drawn around 50
+
+
+def test_a_lone_request_s_steps_are_learned_and_a_bigger_batch_is_not_slowness():
+    # One request at a time makes ~4 tokens per scrape: intervals are pooled until they say enough.
+    alone_fast, alone_slow = _drive(1.0, concurrency=1), _drive(0.5, concurrency=1)
+    assert 1.7 < alone_slow.decode_factor / alone_fast.decode_factor < 2.3
+    # A full batch's steps are longer (more KV to read each step): its decode factor stays the pod's speed.
+    full = _drive(1.0, concurrency=48)
+    assert full.decode_step_s / alone_fast.decode_step_s > 1.4
+    assert 0.8 < full.decode_factor / alone_fast.decode_factor < 1.25
 
 
 def test_rates_start_at_the_defaults_and_restart_with_the_server():
@@ -106,10 +118,10 @@ def test_a_pod_slower_at_both_prefill_and_decode_spills_its_adapter_sooner():
     from lora_affinity_plugin.cost import relative_slowness
     from lora_affinity_plugin.fleet import FleetView
 
-    half = PodRates(prefill_factor=2.2, decode_step_s=0.16, learned=True)
-    busy = PodRates(prefill_factor=2.2, decode_step_s=0.08, learned=True)  # batched prefills alone: not slower
-    assert relative_slowness(half, 1.0, 0.08) == 2.0
-    assert relative_slowness(busy, 1.0, 0.08) == 1.0
+    half = PodRates(prefill_factor=2.2, decode_step_s=0.16, learned=True, decode_factor=2.0)
+    busy = PodRates(prefill_factor=2.2, decode_step_s=0.16, learned=True)  # a bigger batch's steps: not slower
+    assert relative_slowness(half, 1.0, 1.0) == 2.0
+    assert relative_slowness(busy, 1.0, 1.0) == 1.0
     fleet = FleetView(S)
     metrics = PodMetrics(num_requests_running=12, running_lora_adapters=frozenset({"sql-lora"}), max_lora=4)
     idle = PodMetrics(num_requests_running=2, max_lora=4)

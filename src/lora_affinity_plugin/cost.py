@@ -28,6 +28,12 @@ PREFILL_S_PER_TOKEN = 0.0002
 """Prefill seconds per prompt token at speed 1 (a 7B model on one A100-class GPU: ~5k tokens/s)."""
 DECODE_STEP_S = 0.06
 """A decode step (the time per output token) when nothing has been learned yet."""
+DECODE_S_PER_SEQ = 0.0004
+"""What each running sequence adds to a decode step at speed 1 (sampling, scheduling)."""
+DECODE_S_PER_KV_TOKEN = 2.3e-6
+"""What each token in the running requests' KV cache adds to a decode step at speed 1: a step reads the
+weights once and every running request's KV once (memory bound; a 7B model's 14 GB of weights weigh
+about as much as 25k tokens of KV)."""
 ADAPTER_LOAD_S = 0.02
 """Moving an adapter from CPU memory into a GPU slot (vLLM: milliseconds)."""
 ADAPTER_STEP_SHARE = 0.005
@@ -49,6 +55,9 @@ class PodRates:
     mean_output_tokens: float = MEAN_OUTPUT_TOKENS
     learned: bool = False
     """Whether any of these came from the pod (False: all defaults)."""
+    decode_factor: float = 1.0
+    """Measured decode steps over what the defaults predict at the batch and KV the pod ran
+    (`expected_step_s`): unlike the step itself it does not grow with the load, so pods compare by it."""
 
     def prefill_s(self, tokens: float) -> float:
         return self.prefill_factor * (PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * max(0.0, tokens))
@@ -56,10 +65,16 @@ class PodRates:
     def to_dict(self) -> dict[str, float | bool]:
         return {"prefill_factor": round(self.prefill_factor, 4), "decode_step_s": round(self.decode_step_s, 5),
                 "queue_s_per_request": round(self.queue_s_per_request, 5),
-                "mean_output_tokens": round(self.mean_output_tokens, 1), "learned": self.learned}
+                "mean_output_tokens": round(self.mean_output_tokens, 1), "learned": self.learned,
+                "decode_factor": round(self.decode_factor, 4)}
 
 
 DEFAULT_RATES = PodRates()
+
+
+def expected_step_s(running: float, kv_tokens: float) -> float:
+    """A decode step at speed 1 for a batch of `running` requests holding `kv_tokens` of KV cache."""
+    return DECODE_STEP_S + DECODE_S_PER_SEQ * max(0.0, running) + DECODE_S_PER_KV_TOKEN * max(0.0, kv_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,18 +150,19 @@ SLOW_RATIO = 1.5
 """A pod counts as slower (or faster) than the fleet only beyond this ratio: learned rates carry noise."""
 
 
-def relative_slowness(rates: PodRates, median_prefill_factor: float, median_step_s: float) -> float:
-    """How much slower than the fleet's median pod this one runs, by both its prefill and its decode rates.
+def relative_slowness(rates: PodRates, median_prefill_factor: float, median_decode_factor: float) -> float:
+    """How much slower than the fleet's median pod this one runs: its decode factor's ratio, once beyond
+    SLOW_RATIO, when its prefill factor leans the same way.
 
-    Each alone moves with the load (batched prefills, a bigger batch's longer steps); a pod that is really
-    slower is slower at both. So: the lesser of the two ratios when both are beyond SLOW_RATIO the same
-    way, else 1.0; bounded to 0.25..4."""
-    if median_prefill_factor <= 0 or median_step_s <= 0:
+    The decode factor is measured against the batch and KV the pod ran, so load does not move it; the
+    prefill factor does move with load (prompts batched with other work) and only confirms the direction:
+    a pod that is really slower is slower at both. Bounded to 0.25..4; 1.0 within the noise."""
+    if median_prefill_factor <= 0 or median_decode_factor <= 0:
         return 1.0
     prefill = rates.prefill_factor / median_prefill_factor
-    decode = rates.decode_step_s / median_step_s
-    if prefill >= SLOW_RATIO and decode >= SLOW_RATIO:
-        return min(4.0, prefill, decode)
-    if prefill <= 1 / SLOW_RATIO and decode <= 1 / SLOW_RATIO:
-        return max(0.25, prefill, decode)
+    decode = rates.decode_factor / median_decode_factor
+    if decode >= SLOW_RATIO and prefill > 1:
+        return min(4.0, decode)
+    if decode <= 1 / SLOW_RATIO and prefill < 1:
+        return max(0.25, decode)
     return 1.0

@@ -96,10 +96,11 @@ class FleetView:
         if not bases:
             return
         factors = sorted(state.base.rates.prefill_factor for state in bases)
-        steps = sorted(state.base.rates.decode_step_s for state in bases)
-        median_factor, median_step = factors[len(factors) // 2], steps[len(steps) // 2]
+        decode = sorted(state.base.rates.decode_factor for state in bases)
+        middle = (len(bases) - 1) // 2  # the lower median: in a fleet half slow, the fast half is the norm
+        median_prefill, median_decode = factors[middle], decode[middle]
         for state in bases:
-            slowness = relative_slowness(state.base.rates, median_factor, median_step)
+            slowness = relative_slowness(state.base.rates, median_prefill, median_decode)
             if slowness != state.base.slowness:
                 state.base = replace(state.base, slowness=slowness)
                 state.view = None

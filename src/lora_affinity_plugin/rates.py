@@ -10,16 +10,20 @@ into each pod's record, so every gateway chooses by the same numbers. Pure: no I
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .cost import DEFAULT_RATES, PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN, PodRates
+from .cost import DEFAULT_RATES, PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN, PodRates, expected_step_s
+
+if TYPE_CHECKING:
+    from .scheduling import PodMetrics
 
 SMOOTHING = 0.5
 """Weight of the newest interval in the moving average: a pod that slows is followed within a few scrapes."""
 MIN_REQUESTS = 1
 """Requests an interval needs before its prefill and queue figures count."""
 MIN_TOKENS = 20
-"""Output tokens an interval needs before its time per output token counts."""
+"""Output tokens the decode figures need: a lightly loaded pod's intervals are pooled until they add up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +46,25 @@ class PodCounters:
 
 
 @dataclass(slots=True)
+class _Decode:
+    """Decode intervals pooled until they hold MIN_TOKENS tokens (one scrape of an idle pod holds few)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    expected_s: float = 0.0
+    """What the defaults predict for those tokens at the batch and KV each interval ran."""
+
+
+@dataclass(slots=True)
 class _PodHistory:
     counters: PodCounters
     at: float
     rates: PodRates
     first: PodCounters
     """The first counters seen: output length is a property of the traffic, averaged since then."""
+    load: tuple[float, float] = (0.0, 0.0)
+    """Running requests and KV tokens at the last scrape."""
+    decode: _Decode = field(default_factory=_Decode)
 
 
 class RateTracker:
@@ -56,21 +73,26 @@ class RateTracker:
     def __init__(self) -> None:
         self._pods: dict[str, _PodHistory] = {}
 
-    def observe(self, pod: str, counters: PodCounters | None, at: float) -> PodRates:
-        """Fold in a scrape of `pod` taken at `at` (seconds); returns its rates (defaults until it did enough)."""
+    def observe(self, pod: str, counters: PodCounters | None, at: float, running: float = 0.0,
+                kv_tokens: float = 0.0) -> PodRates:
+        """Fold in a scrape of `pod` taken at `at` (seconds), with the requests it was running and the
+        tokens its KV cache held then; returns its rates (defaults until it did enough)."""
         history = self._pods.get(pod)
         if counters is None:
             return history.rates if history else DEFAULT_RATES
+        load = (running, kv_tokens)
         if history is None:
-            self._pods[pod] = _PodHistory(counters, at, DEFAULT_RATES, counters)
+            self._pods[pod] = _PodHistory(counters, at, DEFAULT_RATES, counters, load)
             return DEFAULT_RATES
         previous, history.counters = history.counters, counters
         interval, history.at = at - history.at, at
+        previous_load, history.load = history.load, load
         if counters.prefill_time_count < previous.prefill_time_count:  # the server restarted: start over
-            history.rates, history.first = DEFAULT_RATES, counters
+            history.rates, history.first, history.decode = DEFAULT_RATES, counters, _Decode()
             return history.rates
         if interval > 0:
-            history.rates = _updated(history.rates, previous, counters, interval, history.first)
+            mean_load = ((previous_load[0] + running) / 2, (previous_load[1] + kv_tokens) / 2)
+            history.rates = _updated(history, previous, counters, interval, mean_load)
         return history.rates
 
     def forget(self, pods_kept: set[str]) -> None:
@@ -78,10 +100,20 @@ class RateTracker:
             del self._pods[pod]
 
 
-def _updated(rates: PodRates, before: PodCounters, after: PodCounters, interval: float, first: PodCounters
-             ) -> PodRates:
-    prefill_factor, step, per_queued, output = (rates.prefill_factor, rates.decode_step_s,
-                                                rates.queue_s_per_request, rates.mean_output_tokens)
+def decode_load(metrics: PodMetrics) -> tuple[float, float]:
+    """The running requests and the tokens in the KV cache a page reports (`observe`'s load)."""
+    kv_tokens = 0.0
+    if metrics.num_gpu_blocks and metrics.block_size:
+        kv_tokens = metrics.kv_cache_usage * metrics.num_gpu_blocks * metrics.block_size
+    return float(metrics.num_requests_running), kv_tokens
+
+
+def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, interval: float,
+             load: tuple[float, float]) -> PodRates:
+    rates, first, decode = history.rates, history.first, history.decode
+    prefill_factor, step, per_queued, output, decode_factor = (
+        rates.prefill_factor, rates.decode_step_s, rates.queue_s_per_request, rates.mean_output_tokens,
+        rates.decode_factor)
     learned = rates.learned
     prefills = after.prefill_time_count - before.prefill_time_count
     if prefills >= MIN_REQUESTS:
@@ -91,8 +123,15 @@ def _updated(rates: PodRates, before: PodCounters, after: PodCounters, interval:
         if expected > 0 and measured > 0:
             prefill_factor = _smooth(prefill_factor, measured / expected, learned)
     tokens = after.itl_count - before.itl_count
-    if tokens >= MIN_TOKENS:
-        step = _smooth(step, (after.itl_sum - before.itl_sum) / tokens, learned)
+    if tokens > 0:
+        decode.seconds += after.itl_sum - before.itl_sum
+        decode.tokens += tokens
+        decode.expected_s += tokens * expected_step_s(*load)
+    if decode.tokens >= MIN_TOKENS:
+        if decode.seconds > 0:
+            step = _smooth(step, decode.seconds / decode.tokens, learned)
+            decode_factor = _smooth(decode_factor, decode.seconds / decode.expected_s, learned)
+        history.decode = _Decode()
     queued = after.queue_time_count - before.queue_time_count
     if queued >= MIN_REQUESTS:
         mean_queue_s = (after.queue_time_sum - before.queue_time_sum) / queued
@@ -102,12 +141,14 @@ def _updated(rates: PodRates, before: PodCounters, after: PodCounters, interval:
     finished = after.requests_finished - first.requests_finished
     if finished >= MIN_REQUESTS and after.requests_finished > before.requests_finished:
         output = max(1.0, (after.generation_tokens - first.generation_tokens) / finished)
-    changed = (prefill_factor, step, per_queued, output) != (rates.prefill_factor, rates.decode_step_s,
-                                                             rates.queue_s_per_request, rates.mean_output_tokens)
+    changed = (prefill_factor, step, per_queued, output, decode_factor) != (
+        rates.prefill_factor, rates.decode_step_s, rates.queue_s_per_request, rates.mean_output_tokens,
+        rates.decode_factor)
     if not changed:
         return rates
     return PodRates(max(0.05, min(prefill_factor, 100.0)), max(1e-4, min(step, 10.0)),
-                    max(1e-4, min(per_queued, 60.0)), output, learned=True)
+                    max(1e-4, min(per_queued, 60.0)), output, learned=True,
+                    decode_factor=max(0.01, min(decode_factor, 100.0)))
 
 
 def _smooth(old: float, new: float, learned: bool) -> float:

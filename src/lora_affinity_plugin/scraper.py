@@ -33,7 +33,7 @@ from .metrics import (
     SCRAPER_LEADER,
 )
 from .parsing import MetricsPageError, parse_metrics
-from .rates import RateTracker
+from .rates import RateTracker, decode_load
 from .scheduling import PodMetrics
 from .settings import Settings, SettingsError
 from .store import PodRecord, connect, pod_key
@@ -119,7 +119,7 @@ class Scraper:
                                           self.settings.scrape_timeout_ms / 1000)
             engine = self.engines.get(pod, self.settings.default_engine)
             metrics = self._parse(text) if engine == "vllm" else parse_metrics(text, engine)
-            rates = self.rates.observe(pod, metrics.counters, started)
+            rates = self.rates.observe(pod, metrics.counters, started, *decode_load(metrics))
             # The counters served their purpose here; the record carries what they taught.
             return PodRecord(pod=pod, scraped_at=started, metrics=replace(metrics, counters=None),
                              rates=rates if rates.learned else None)

@@ -83,7 +83,8 @@ def _rates(body: Any) -> PodRates | None:
         return PodRates(bounded("prefill_factor", 0.05, 100.0, base.prefill_factor),
                         bounded("decode_step_s", 1e-4, 10.0, base.decode_step_s),
                         bounded("queue_s_per_request", 1e-4, 60.0, base.queue_s_per_request),
-                        bounded("mean_output_tokens", 1.0, 1e6, base.mean_output_tokens), bool(body.get("learned")))
+                        bounded("mean_output_tokens", 1.0, 1e6, base.mean_output_tokens), bool(body.get("learned")),
+                        bounded("decode_factor", 0.01, 100.0, base.decode_factor))
     except (TypeError, ValueError):
         return None
 

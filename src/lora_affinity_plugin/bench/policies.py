@@ -13,7 +13,7 @@ from collections import defaultdict, deque
 from ..fleet import FleetView
 from ..inflight import PeerShare
 from ..prefix_index import SHARE_MAX_BLOCKS
-from ..rates import RateTracker
+from ..rates import RateTracker, decode_load
 from ..scheduling import NoCapacity, PodMetrics, Shed, choose_pod
 from ..settings import Settings, build_settings
 from ..store import PodRecord
@@ -220,7 +220,7 @@ class Rules(Policy):
     def scraped(self, snapshots, gpu, at) -> None:
         records = {}
         for key, metrics in zip(self.keys, snapshots):
-            rates = self.rates.observe(key, metrics.counters, at)
+            rates = self.rates.observe(key, metrics.counters, at, *decode_load(metrics))
             records[key] = PodRecord(key, at, metrics, rates=rates if rates.learned else None)
         self.fleet.update(records)
         self.fleet.maintain(at)
