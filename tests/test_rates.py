@@ -138,6 +138,18 @@ def test_a_pod_slower_at_both_prefill_and_decode_spills_its_adapter_sooner():
     assert choose_pod(same_speed, RouteRequest("sql-lora"), S, random.Random(1)).pod == "slow"
 
 
+def test_an_unseen_long_prompt_goes_to_the_faster_holder_before_the_emptier_cache():
+    slow = PodRates(prefill_factor=2.0, decode_step_s=0.12, learned=True, decode_factor=2.0)
+    holders = [Candidate("slow", 0, 3, 0.2, frozenset({"sql-lora"}), max_lora=4, rates=slow, slowness=2.0),
+               Candidate("fast", 0, 3, 0.2, frozenset({"sql-lora"}), max_lora=4)]
+    unseen = RouteRequest("sql-lora", prefix_blocks=40, prefix_hashes=tuple(range(40)), placement_key=9,
+                          prefix_sizes={"slow": 0, "fast": 5_000})  # the slow pod's cache is the emptier
+    for seed in range(10):
+        assert choose_pod(holders, unseen, S, random.Random(seed)).pod == "fast"
+    same_speed = [Candidate("slow", 0, 3, 0.2, frozenset({"sql-lora"}), max_lora=4), holders[1]]
+    assert choose_pod(same_speed, unseen, S, random.Random(1)).pod == "slow"  # equals: the emptier cache
+
+
 def test_the_mixed_workload_mixes_adapters_shapes_and_chats():
     from lora_affinity_plugin.bench.prefix_workloads import PrefixWorkload
     from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario

@@ -278,8 +278,8 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
        the adapter starts there (`_starts_sooner_elsewhere`). Else a pod that can take the adapter
        without starving a batch (dealt to it among peers, resident, a free slot, fewest adapters). vLLM's `--max-loras` skip rule makes a wrong adapter placement cost
        whole generations; a prefill costs tens to hundreds of ms.
-    3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes where the caches
-       hold least (it will stay where it lands).
+    3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes to the fastest
+       of them (all of it is computed) and there where the caches hold least (it will stay where it lands).
     4. Least load; then least estimated cost in seconds (`cost.py`: the wait for the queue ahead, loading
        the adapter, prefilling what the pod does not hold, at each pod's learned speed, and the harm to
        others), which sends less to a slow pod; least KV use; gateways agree on new placements by
@@ -489,12 +489,14 @@ def cost_parts(p: Candidate, request: RouteRequest, settings: Settings, best_mat
 
 def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings,
                     run: _Run) -> tuple[list[Candidate], bool]:
-    """Among pods the adapter rules allow: the longest match (not far busier), else the emptiest caches.
-    Returns the pods and whether a match chose them."""
+    """Among pods the adapter rules allow: the longest match (not far busier), else the fastest pods' emptiest
+    caches. Returns the pods and whether a match chose them."""
     warm = _warm(pods, request, settings)
     if warm:
         return run.apply("prefix_match", pods, warm), True
     pods = run.apply("roomy", pods, _not_far_busier(pods, settings))
+    fastest = min(p.slowness for p in pods)  # the whole prompt is computed: speed before cache room
+    pods = run.apply("fastest", pods, [p for p in pods if p.slowness == fastest])
     return run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width)), False
 
 
