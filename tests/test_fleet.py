@@ -54,6 +54,16 @@ def test_a_pod_that_refused_a_connection_is_out_until_a_later_scrape_reads_it():
     assert fleet.refused("unknown", 100.5) is False
 
 
+def test_a_refused_pod_comes_back_after_stale_after_ms_whatever_the_scraper_s_clock_says():
+    fleet = FleetView(S)  # stale_after_ms 1000
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 100.0)}, now=100.0)
+    fleet.refused("a", 100.2)
+    fleet.update({"a": rec("a", 98.0), "b": rec("b", 98.0)}, now=100.5)  # a scraper 2 s behind
+    assert [c.key for c in fleet.candidates(["a", "b"], 98.1)] == ["b"]
+    fleet.update({"a": rec("a", 98.5), "b": rec("b", 98.5)}, now=101.3)  # past stale_after_ms since it refused
+    assert [c.key for c in fleet.candidates(["a", "b"], 98.6)] == ["a", "b"]
+
+
 def test_stale_pods_are_backups_until_their_ttl():
     fleet = FleetView(S)
     fleet.update({"a": rec("a", 100.0), "b": rec("b", 99.0)})

@@ -72,14 +72,17 @@ class FleetView:
         """The oldest scrape among pods with metrics: when it is fresh, so is every pod (no per-pod check)."""
 
     # --- background side -------------------------------------------------------------------
-    def update(self, records: Mapping[str, PodRecord]) -> None:
-        """Take a fresh set of records; pods absent from it keep their last record and age."""
+    def update(self, records: Mapping[str, PodRecord], now: float | None = None) -> None:
+        """Take a fresh set of records; pods absent from it keep their last record and age. `now` (this
+        process's clock) bounds how long a refused connection keeps a pod out (see `refused`)."""
+        refusal_s = self.settings.stale_after_ms / 1000
         for pod, record in records.items():
             state = self._pods.get(pod)
             if state is None:
                 state = self._pods[pod] = _PodState(record=record, base=None)
             state.record = record
-            usable = record.metrics is not None and record.scraped_at > state.refused_at
+            usable = record.metrics is not None and (
+                record.scraped_at > state.refused_at or now is not None and now - state.refused_at > refusal_s)
             state.base = self._base_candidate(state) if usable else None
             if record.metrics is not None:
                 self._size_index(pod, record.metrics.num_gpu_blocks, record.metrics.block_size)
@@ -249,7 +252,9 @@ class FleetView:
     def refused(self, pod: str, now: float) -> bool:
         """A request could not connect to `pod`: it leaves the candidates now, not after its metrics go
         stale, and comes back with the first record scraped after `now` (a pod that is back answers
-        its next scrape). True when the pod was a candidate until now."""
+        its next scrape), or, whatever the records say, `stale_after_ms` later (a scraper whose clock
+        lags this process's would otherwise keep it out; a pod still down has failing records by then).
+        True when the pod was a candidate until now."""
         state = self._pods.get(pod)
         if state is None:
             return False

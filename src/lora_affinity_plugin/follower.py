@@ -159,7 +159,7 @@ class Follower:
         if raws[0] is not None:
             self._follow_settings(raws[0])
         records = decode_records(pods, raws[1:1 + len(pods)])
-        self.fleet.update(records)
+        self.fleet.update(records, time.time())
         self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1]), time.time())
         served = decode_served(raws[-1])
         if served != self.served_models:
