@@ -213,5 +213,6 @@ def test_explain_shows_each_rule_and_the_pick(stack):
     assert data["pick"] == stack.pod_url(1) and data["branch"] == "affinity"
     assert [r["rule"] for r in data["rules"]][:2] == ["low_queue", "adapter_active"]
     assert set(data["costs"]) == set(data["candidates"])
+    assert data["slowness"] == {pod: 1.0 for pod in data["candidates"]}  # equal pods: nobody slower
     text = _cli(stack, "explain", "--model", "sql-lora", "--criticality", "sheddable")
     assert "pick: " + stack.pod_url(1) in text and "estimated cost" in text and "adapter load" in text

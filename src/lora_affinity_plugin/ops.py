@@ -274,7 +274,8 @@ def run_explain(args: argparse.Namespace) -> int:
                                  "uncached_tokens": c.uncached_tokens, "harm_s": round(c.harm_s, 4),
                                  "adds_adapter": c.adds_adapter, "duplicated_tokens": c.duplicated_tokens}
                            for pod, c in decision.costs.items()},
-                 "rates": {c.key: c.rates.to_dict() for c in candidates}})
+                 "rates": {c.key: c.rates.to_dict() for c in candidates},
+                 "slowness": {c.key: c.slowness for c in candidates}})
     view = {c.key: c for c in candidates}
     lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
              f"  prompt prefix: {request.prefix_blocks} blocks of {settings.prefix_block_chars} characters"
@@ -286,6 +287,7 @@ def run_explain(args: argparse.Namespace) -> int:
     if decision.costs:
         lines.append("  estimated cost (rates learned from each pod's histograms, or defaults):")
         lines += [f"    {pod}: {parts.describe()}" + ("" if view[pod].rates.learned else " (default rates)")
+                  + (f" (slowness {view[pod].slowness:.2f} against the fleet)" if view[pod].slowness != 1.0 else "")
                   for pod, parts in decision.costs.items()]
     lines += [f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}" for s in steps]
     lines.append(f"  pick: {decision.pod} (branch {decision.branch})")
