@@ -45,7 +45,7 @@ async def test_a_refresh_that_raises_is_logged_once_and_the_next_one_runs(monkey
     f = follower()
     calls = []
 
-    def update(records):
+    def update(records, now=None):
         calls.append(len(calls))
         if len(calls) <= 3:
             raise OverflowError("a pod said 1e200")
