@@ -217,3 +217,14 @@ def test_a_bad_cost_band_is_refused_by_name():
         build_settings({"cost_band_ratio": -1}, environ={})
     with pytest.raises(SettingsError, match="cost_band_ms"):
         build_settings({"cost_band_ms": "soon"}, environ={})
+
+
+def test_a_hostile_decode_factor_in_a_record_is_bounded_or_dropped():
+    record = PodRecord("http://a:8000", 1.0, PodMetrics(num_requests_running=1),
+                       rates=PodRates(2.0, 0.12, 0.3, 90.0, True, decode_factor=2.0))
+    assert PodRecord.from_json(record.to_json()).rates.decode_factor == 2.0
+    huge = record.to_json().replace(b'"decode_factor":2.0', b'"decode_factor":1e300')
+    assert PodRecord.from_json(huge).rates.decode_factor == 100.0
+    garbled = record.to_json().replace(b'"decode_factor":2.0', b'"decode_factor":"slow"')
+    read = PodRecord.from_json(garbled)
+    assert read.metrics == record.metrics and read.rates is None  # routed at the default rates, not dropped
