@@ -157,3 +157,42 @@ def test_own_dispatches_since_the_peers_were_read_stand_for_theirs_too():
     assert fleet.candidates(["a"], 100.35)[0].waiting == 2 + 2
     fleet.update_peers(two_peers, now=100.4)
     assert fleet.candidates(["a"], 100.45)[0].waiting == 2
+
+
+def test_a_kept_candidate_list_reads_like_a_fresh_one_after_every_change():
+    """The strategy asks for a tuple of pods and gets a list the fleet keeps between requests, renewing only the
+    views a change touched: after any sequence of dispatches, ends, retries, sweeps, peers' shares, refusals and
+    scrapes it must equal what a fresh read (a list of pods: nothing kept) gives."""
+    import random
+
+    from lora_affinity_plugin.inflight import PeerShare
+
+    rng = random.Random(7)
+    fleet = FleetView(S)
+    pods = ("a", "b", "c", "d")
+    now = 100.0
+    fleet.update({p: rec(p, now, running={f"x{i}"}) for i, p in enumerate(pods)}, now)
+    calls = []
+    for step in range(600):
+        now += 0.01
+        op = rng.random()
+        if op < 0.45:
+            call = f"call-{step}"
+            fleet.note_dispatch(rng.choice(pods), rng.choice(["x0", "x9", None]), now, call if rng.random() < 0.8 else None)
+            calls.append(call)
+        elif op < 0.7 and calls:
+            fleet.end(calls.pop(rng.randrange(len(calls))))
+        elif op < 0.75 and calls:
+            fleet.note_dispatch(rng.choice(pods), "x1", now, rng.choice(calls))  # a retry moves the call
+        elif op < 0.8:
+            fleet.sweep(now - 0.5)
+        elif op < 0.85:
+            fleet.update_peers(PeerShare({}, {rng.choice(pods): [(now, "x2")]}, 1), now)
+        elif op < 0.9:
+            fleet.refused(rng.choice(pods), now)
+        else:
+            fleet.update({p: rec(p, now - 0.1, waiting=rng.randrange(3)) for p in pods}, now)
+        kept = fleet.candidates(pods, now)
+        assert kept == fleet.candidates(list(pods), now), step
+        kept.clear()  # the caller's copy: clearing it must not empty the kept one
+        assert fleet.candidates(pods, now) == fleet.candidates(list(pods), now)

@@ -127,6 +127,20 @@ def test_index_matches_the_longest_held_prefix_per_pod():
     assert index.matches((12345,) + hashes[1:], ["a", "b"]) == {}
 
 
+def test_chains_sharing_a_head_match_as_far_as_each_pod_holds_them_and_evicted_heads_leave_the_map():
+    index = PrefixIndex(ttl_s=60)
+    index.set_capacity("a", 6)
+    index.add("a", [1, 2, 3, 4], 1.0)
+    index.add("a", [1, 2, 5], 2.0)  # the same first blocks, then its own
+    index.add("b", [1, 2], 2.0)
+    assert index.matches([1, 2, 5, 6], ["a", "b"]) == {"a": 3, "b": 2}
+    assert index.matches([1, 2, 3, 9], ["a", "b"]) == {"a": 3, "b": 2}
+    index.add("a", [7, 8, 9, 10, 11, 12], 3.0)  # fills "a": every older block goes, heads included
+    assert index.matches([1, 2, 3], ["a", "b"]) == {"b": 2}
+    assert index.matches([7, 8, 9, 10, 11, 12], ["a"]) == {"a": 6}
+    assert len(index) == 8 and set(index._holders) == {1, 7}  # only chains' heads are mapped: "b"'s and "a"'s
+
+
 def test_index_is_bounded_per_pod_least_recently_used_out():
     index = PrefixIndex(ttl_s=60)
     index.set_capacity("a", 10)

@@ -200,3 +200,19 @@ def test_a_disabled_rule_passes_its_input_on():
     settings = build_settings({"rule_set": "gie-v0.2", "disabled_rules": ["least_kv"]})
     assert set(picks(pods, RouteRequest(None), settings)) == {"a", "b"}
     assert set(picks(pods, RouteRequest(None), GIE)) == {"b"}
+
+
+def test_a_view_with_dispatches_keeps_every_other_field_of_the_pod():
+    """`Candidate.with_dispatches` is built field by field (for speed): a field added later must not be dropped."""
+    from dataclasses import fields
+
+    from lora_affinity_plugin.cost import PodRates
+
+    base = Candidate("a", 2, 3, 0.4, frozenset({"x"}), frozenset({"x", "y"}), max_lora=4, reported_waiting=2,
+                     rates=PodRates(prefill_factor=2.0), slowness=2.0, kv_free_tokens=1000)
+    view = base.with_dispatches(3, {"z"})
+    assert view.waiting == 5 and view.load == 8 and view.active_adapters == {"x", "z"}
+    for f in fields(Candidate):
+        if f.name not in ("waiting", "load", "active_adapters"):
+            assert getattr(view, f.name) == getattr(base, f.name), f.name
+    assert base.with_dispatches(1, set()).active_adapters is base.active_adapters

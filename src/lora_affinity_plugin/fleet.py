@@ -70,6 +70,8 @@ class FleetView:
         self._dealing: dict[str, int] = {}
         self._stalest_scrape = float("-inf")
         """The oldest scrape among pods with metrics: when it is fresh, so is every pod (no per-pod check)."""
+        self._lists: OrderedDict[tuple[str, ...], _CandidateList] = OrderedDict()
+        """The candidates of the last few sets of pods asked for (`candidates`), patched as views change."""
 
     # --- background side -------------------------------------------------------------------
     def update(self, records: Mapping[str, PodRecord], now: float | None = None) -> None:
@@ -177,9 +179,18 @@ class FleetView:
 
     def _build_views(self) -> None:
         """Here, in the refresh, not on the next request: a refresh renews every view at once."""
+        self._lists.clear()
         for state in self._pods.values():
             if state.view is None and state.base is not None:
                 self._view(state)
+
+    def _renew(self, pod: str, state: _PodState) -> None:
+        """`pod`'s view changed (a dispatch came or went): the candidate lists holding it renew it when next read."""
+        state.view = None
+        for candidates in self._lists.values():
+            position = candidates.positions.get(pod)
+            if position is not None:
+                candidates.renew.append(position)
 
     def recent_dispatches(self) -> dict[str, list[tuple[float, str | None]]]:
         """This process's share for its peers: unfinished dispatches no scrape has covered yet."""
@@ -245,7 +256,7 @@ class FleetView:
         if state is None or not self.settings.count_dispatches:
             return
         state.pending[call_id] = (now, adapter)
-        state.view = None
+        self._renew(pod, state)
         if adapter is not None:
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
 
@@ -261,6 +272,7 @@ class FleetView:
         was_candidate = state.base is not None
         state.refused_at = max(state.refused_at, now)
         state.base = state.view = None
+        self._lists.clear()
         return was_candidate
 
     def end(self, call_id: str) -> Dispatch | None:
@@ -279,7 +291,7 @@ class FleetView:
     def _forget(self, dispatch: Dispatch, call_id: str) -> None:
         state = self._pods.get(dispatch.pod)
         if state is not None and state.pending.pop(call_id, None) is not None:
-            state.view = None
+            self._renew(dispatch.pod, state)
 
     def candidates(self, pods: Sequence[str], now: float) -> list[Candidate]:
         """Pods with metrics, their not-yet-scraped dispatches added.
@@ -291,8 +303,10 @@ class FleetView:
         fresh_s = self.settings.stale_after_ms / 1000
         get = self._pods.get
         if now - self._stalest_scrape <= fresh_s:  # the common case: every pod with metrics is fresh
-            return [state.view or self._view(state) for state in map(get, pods)
-                    if state is not None and state.base is not None]
+            if pods.__class__ is not tuple:
+                return [state.view or self._view(state) for state in map(get, pods)
+                        if state is not None and state.base is not None]
+            return self._fresh_list(pods)
         backup_s = self.settings.metrics_ttl_ms / 1000
         fresh = []
         backup: list[Candidate] = []
@@ -307,6 +321,25 @@ class FleetView:
                 backup.append(state.view or self._view(state))
         return fresh or backup
 
+    def _fresh_list(self, pods: tuple[str, ...]) -> list[Candidate]:
+        """`candidates` when every pod is fresh, for a tuple of pods (the strategy asks for the same few sets
+        again and again): kept between requests, only the views a dispatch changed since are renewed (a
+        request renews one or two of 64, instead of reading all 64)."""
+        kept = self._lists.get(pods)
+        if kept is None:
+            get = self._pods.get
+            usable = [(pod, state) for pod, state in zip(pods, map(get, pods)) if state is not None and state.base is not None]
+            kept = self._lists[pods] = _CandidateList(usable, [state.view or self._view(state) for _, state in usable])
+            if len(self._lists) > _LISTS_KEPT:
+                self._lists.popitem(last=False)
+        elif kept.renew:
+            states, views = kept.states, kept.views
+            for position in kept.renew:
+                state = states[position]
+                views[position] = state.view or self._view(state)
+            kept.renew.clear()
+        return list(kept.views)
+
     def _view(self, state: _PodState) -> Candidate:
         base = state.base
         assert base is not None
@@ -316,14 +349,25 @@ class FleetView:
             unseen = 0  # the peers' dispatches since they last shared, estimated from this process's own
             if self.peer_processes:
                 unseen = self.peer_processes * sum(1 for at, _ in state.pending.values() if at > self._peers_read_at)
-            state.view = replace(
-                base,
-                waiting=base.waiting + len(sent) + unseen,
-                active_adapters=base.active_adapters | adapters if adapters else base.active_adapters,
-            )
+            state.view = base.with_dispatches(len(sent) + unseen, adapters)
         else:
             state.view = base
         return state.view
+
+
+_LISTS_KEPT = 16
+"""Candidate lists kept (`_fresh_list`): one per set of healthy deployments a model group has."""
+
+
+class _CandidateList:
+    __slots__ = ("states", "views", "positions", "renew")
+
+    def __init__(self, usable: list[tuple[str, _PodState]], views: list[Candidate]) -> None:
+        self.states = [state for _, state in usable]
+        self.views = views
+        self.positions = {pod: i for i, (pod, _) in enumerate(usable)}
+        self.renew: list[int] = []
+        """Positions whose view changed since the list was last read."""
 
 
 def _touch(lru: OrderedDict[str, None], adapter: str, slots: int) -> None:

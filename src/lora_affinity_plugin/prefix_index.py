@@ -3,8 +3,9 @@
 Filled from routing decisions (this process's, and its peers' through Redis): a request sent to a pod
 leaves its prompt's blocks there. Bounded per pod by an estimate of its cache
 (`num_gpu_blocks x block_size x prefix_chars_per_token / prefix_block_chars` blocks of text), least
-recently used out first, and entries older than `prefix_ttl_ms` expire. An inverted map (block ->
-pods holding it) makes matching one walk down the prompt's chain, whatever the number of pods.
+recently used out first, and entries older than `prefix_ttl_ms` expire. An inverted map of chain heads
+(first block -> pods holding it) finds the pods to search, whatever their number; each pod's own blocks
+say how far down the chain it holds.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class PrefixIndex:
         self._pods: dict[str, OrderedDict[int, float]] = {}
         """pod -> block hash -> last use (unix s), least recently used first."""
         self._holders: dict[int, str | set[str]] = {}
-        """Block -> the pod holding it, or a set when several do (one pod is the common case: no set)."""
+        """Chain head -> the pod holding it, or a set when several do (one pod is the common case: no set).
+        Only heads (and a peer's shared blocks, whose heads are not marked): a match starts at a prompt's
+        first block, and the rest of a chain is looked up in the pod's own blocks, so entering or evicting
+        a 32-block chain touches this map once, not 32 times."""
         self._capacity: dict[str, int] = {}
         self._outbox: list[tuple[float, str, Sequence[int]]] = []
         """Chains this process placed since it last shared them (deduplicated when taken)."""
@@ -41,29 +45,34 @@ class PrefixIndex:
         """Leading blocks of `hashes` each pod holds (pods holding none are absent).
 
         A pod is entered with a whole chain and loses its tail first (`add`), so what it holds of a
-        chain is a leading run: a binary search per pod holding the first block finds its length in
-        log2(blocks) lookups. (A hole left by another chain's eviction may make it a block off:
-        the index is a hint.)
+        chain is a leading run: a binary search in the blocks of each pod holding the first block finds
+        its length in log2(blocks) lookups, or two when it ends where the previous pod's did (pods that
+        hold a system prompt share its end). (A hole left by another chain's eviction may make it a
+        block off: the index is a hint.)
         """
         out: dict[str, int] = {}
         if not hashes:
             return out
-        get = self._holders.get
-        first = get(hashes[0])
+        first = self._holders.get(hashes[0])
         if first is None:
             return out
+        last = len(hashes)
+        guess = 0
         for pod in ((first,) if isinstance(first, str) else first):
             if pod not in pods:
                 continue
-            lo, hi = 1, len(hashes)  # pod holds hashes[:lo]; find the longest run up to hi
+            held = self._pods[pod]
+            if guess and hashes[guess - 1] in held and (guess == last or hashes[guess] not in held):
+                out[pod] = guess  # as long a run as the previous pod's (pods share a system prompt, not questions)
+                continue
+            lo, hi = 1, last  # pod holds hashes[:lo]; find the longest run up to hi
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                holders = get(hashes[mid - 1])
-                if holders is not None and (holders == pod if isinstance(holders, str) else pod in holders):
+                if hashes[mid - 1] in held:
                     lo = mid
                 else:
                     hi = mid - 1
-            out[pod] = lo
+            out[pod] = guess = lo
         return out
 
     def add(self, pod: str, hashes: Sequence[int], at: float, *, share: bool = True) -> None:
@@ -73,9 +82,9 @@ class PrefixIndex:
         lru = self._lru(pod)
         if hashes[0] not in lru:  # a chain new to this pod (it enters chains whole and frees their tails first)
             lru.update(zip(reversed(hashes), repeat(at)))  # one C call; the head ends most recent (see _refresh)
-            self._enter(pod, lru, hashes)
-        else:
-            self._enter(pod, lru, self._refresh(lru, hashes, at, chain=True))
+        else:  # its head is held, so marked already: only the blocks are entered or moved
+            self._refresh(lru, hashes, at, chain=True)
+        self._enter(pod, lru, hashes[:1])
         if share:
             self._outbox.append((at, pod, hashes))
 
@@ -106,10 +115,11 @@ class PrefixIndex:
             lru[h] = at
         return entered
 
-    def _enter(self, pod: str, lru: OrderedDict[int, float], entered: Sequence[int]) -> None:
+    def _enter(self, pod: str, lru: OrderedDict[int, float], heads: Sequence[int]) -> None:
+        """Marks `heads` as held by `pod` and evicts beyond its capacity."""
         holders = self._holders
         get = holders.get
-        for h in entered:
+        for h in heads:
             holding = get(h)
             if holding is None:
                 holders[h] = pod
@@ -118,8 +128,13 @@ class PrefixIndex:
                     holders[h] = {holding, pod}
             else:
                 holding.add(pod)
-        for _ in range(len(lru) - self._capacity.get(pod, DEFAULT_CAPACITY)):
-            self._drop(pod, lru.popitem(last=False)[0])
+        over = len(lru) - self._capacity.get(pod, DEFAULT_CAPACITY)
+        if over > 0:
+            popitem = lru.popitem
+            for _ in range(over):
+                h = popitem(last=False)[0]
+                if h in holders:  # a head (most blocks are not)
+                    self._drop(pod, h)
 
     # --- background side ----------------------------------------------------------------------
     def set_capacity(self, pod: str, blocks: int) -> None:
@@ -166,7 +181,7 @@ class PrefixIndex:
 
     def _drop(self, pod: str, h: int) -> None:
         holding = self._holders.get(h)
-        if holding is None:
+        if holding is None:  # not a head: most blocks
             return
         if isinstance(holding, str):
             if holding == pod:
@@ -177,7 +192,8 @@ class PrefixIndex:
             self._holders[h] = next(iter(holding))
 
     def __len__(self) -> int:
-        return len(self._holders)
+        """Blocks held, over all pods (a block two pods hold counts twice)."""
+        return sum(map(len, self._pods.values()))
 
 
 class _Sizes(Mapping[str, int]):

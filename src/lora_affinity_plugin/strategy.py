@@ -21,7 +21,7 @@ import random
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import litellm
 from litellm.integrations.custom_logger import CustomLogger
@@ -125,9 +125,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         return deployment
 
     def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any) -> dict | None:
-        by_pod = self._index.by_pod(healthy)
+        pods = self._index.pods_of(healthy)
         now = time.time()
-        candidates = self.fleet.candidates(list(by_pod), now)
+        candidates = self.fleet.candidates(pods.keys, now)
         call_id = request_kwargs.get("litellm_call_id")
         tried = self._tried.get(call_id) if call_id else None
         if tried:  # a retry: LiteLLM offers the pod that just failed again; go elsewhere if we can
@@ -136,12 +136,12 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             self._fallback(_group(model, healthy)).fail("no fresh metrics for its healthy deployments")
             FALLBACKS.labels("no_metrics").inc()
             return None
-        first = by_pod[candidates[0].key]
+        first = healthy[pods.positions[candidates[0].key]]
         adapter: str | None = deployment_adapter(first, model, self.settings.adapter_info_key)
         if adapter in self.fleet.model_names(candidates[0].key):
             adapter = None  # the base model: no LoRA rule applies
         settings = self._group_settings(model)
-        request = self.fleet.route_request(adapter, adapter or model, messages, request_kwargs, by_pod, settings,
+        request = self.fleet.route_request(adapter, adapter or model, messages, request_kwargs, pods.positions, settings,
                                            self._sheddable(model, request_kwargs))
         decision = choose_pod(candidates, request, settings, self.rng)
         if logger.isEnabledFor(logging.DEBUG):
@@ -160,7 +160,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                 self._tried.popitem(last=False)
         self.decisions += 1
         self._decision_counter(decision.branch, _group(model, healthy)).inc()
-        return by_pod[decision.pod]
+        return healthy[pods.positions[decision.pod]]
 
     def pooled_client(self, call_kwargs: Mapping[str, Any], call_type: Any) -> Any | None:
         """A pooled client for a text completion to a pod this strategy routes; None leaves the call to LiteLLM.
@@ -266,6 +266,13 @@ _MODEL_INFO = operator.itemgetter("model_info")
 _ID = operator.itemgetter("id")
 
 
+class _Pods(NamedTuple):
+    keys: tuple[str, ...]
+    """Each pod once, in the order of its first deployment."""
+    positions: dict[str, int]
+    """pod -> where its first deployment is in the list."""
+
+
 class _DeploymentIndex:
     """Caches deployment -> pod and model name -> pods; rebuilt when the router's model list changes."""
 
@@ -273,6 +280,8 @@ class _DeploymentIndex:
         self.pods_by_id: dict[str, str] = {}
         """model_info.id -> pod (the router hands out copies of its deployment dicts)."""
         self._pods_by_model: OrderedDict[str, list[str]] = OrderedDict()
+        self._pods_by_ids: dict[tuple[str, ...], _Pods] = {}
+        """Deployment ids of a healthy list -> its pods (`pods_of`)."""
         self._list_id: tuple[int, int] = (0, 0)
 
     def pod(self, deployment: Mapping[str, Any]) -> str | None:
@@ -282,28 +291,41 @@ class _DeploymentIndex:
             self.pods_by_id[dep_id] = pod
         return pod
 
-    def by_pod(self, healthy: list[dict]) -> dict[str, dict]:
-        """pod -> the first of `healthy` on it, in order. Runs for every request: the common case (every
-        deployment's id already seen) maps in C, with no Python step per deployment."""
+    def pods_of(self, healthy: list[dict]) -> _Pods:
+        """The pods of `healthy`, in order, and where each one's first deployment is in it. Runs for every
+        request: kept per list of deployment ids (LiteLLM hands out a new list of the same deployments each
+        time), so the common case reads the ids in C and looks them up once."""
         try:
-            pods: list[str | None] = list(map(self.pods_by_id.get, map(_ID, map(_MODEL_INFO, healthy))))
-        except (KeyError, TypeError):  # a deployment without model_info.id
-            pods = [None] * len(healthy)
-        if None in pods:
-            pods = [pod if pod is not None else self.pod(deployment) for pod, deployment in zip(pods, healthy)]
-        by_pod = dict(zip(pods, healthy))
-        if len(by_pod) != len(healthy) or None in by_pod:  # a pod listed twice, or a deployment on no pod
-            by_pod = {}
-            for pod, deployment in zip(pods, healthy):
-                if pod is not None and pod not in by_pod:
-                    by_pod[pod] = deployment
-        return by_pod
+            ids = tuple(map(_ID, map(_MODEL_INFO, healthy)))
+            found = self._pods_by_ids.get(ids)
+        except (KeyError, TypeError):  # a deployment without model_info.id, or an odd one
+            return self._map(healthy)
+        if found is None:
+            found = self._map(healthy)
+            if None not in ids:
+                if len(self._pods_by_ids) >= _NAMES_CACHED:
+                    self._pods_by_ids.clear()
+                self._pods_by_ids[ids] = found
+        return found
+
+    def by_pod(self, healthy: list[dict]) -> dict[str, dict]:
+        """pod -> the first of `healthy` on it, in order."""
+        return {pod: healthy[i] for pod, i in self.pods_of(healthy).positions.items()}
+
+    def _map(self, healthy: list[dict]) -> _Pods:
+        positions: dict[str, int] = {}
+        for i, deployment in enumerate(healthy):
+            pod = self.pod(deployment)
+            if pod is not None and pod not in positions:
+                positions[pod] = i
+        return _Pods(tuple(positions), positions)
 
     def pods_for_model(self, model_list: list[dict], model: str) -> list[str]:
         list_id = (id(model_list), len(model_list))
         if list_id != self._list_id:
             self._pods_by_model.clear()
             self.pods_by_id.clear()
+            self._pods_by_ids.clear()
             self._list_id = list_id
         pods = self._pods_by_model.get(model)
         if pods is None:

@@ -192,7 +192,7 @@ class Rules(Policy):
         self.name = name
         self.settings = settings
         self.fleet = FleetView(settings)
-        self.keys = [f"r{i}" for i in range(replicas)]
+        self.keys = tuple(f"r{i}" for i in range(replicas))  # a tuple: the fleet keeps its candidate list, as for the strategy
         self.fallbacks = 0
         self.rates = RateTracker()
         """Stands in for the scraper's: learns each pod's speeds from its counters' deltas."""
