@@ -109,20 +109,22 @@ def _chain(data: bytes, crc: int, block_chars: int) -> tuple[tuple[int, ...], in
 class _HeadCache:
     """Chains of recent first messages (system prompts repeat; their questions do not).
 
-    Keyed by scope, salt, block size and the first message's length and Python hash (one pass over it,
-    kept on the string), so a repeated 16 KB system prompt is neither encoded nor hashed block by block
-    again; bounded, LRU. (A 64-bit hash and the length: a collision is at most one misplaced request.)
+    Keyed by scope, salt, block size, the first message's role and its content's length and Python hash
+    (one pass over the content, kept on the string; the rendered message is built only on a miss), so a
+    repeated 16 KB system prompt is neither copied, encoded nor hashed block by block again; bounded,
+    LRU. (A 64-bit hash and the length: a collision is at most one misplaced request.)
     """
 
     def __init__(self, size: int = 1024) -> None:
         self.size = size
         self._entries: OrderedDict[tuple, tuple[tuple[int, ...], int, bytes]] = OrderedDict()
 
-    def chain(self, head: str, scope: str, salt: str | None, block_chars: int) -> tuple[tuple[int, ...], int, bytes]:
-        key = (scope, salt, block_chars, len(head), hash(head))
+    def chain(self, role: str, content: str, scope: str, salt: str | None, block_chars: int
+              ) -> tuple[tuple[int, ...], int, bytes]:
+        key = (scope, salt, block_chars, role, len(content), hash(content))
         entry = self._entries.get(key)
         if entry is None:
-            data = head.encode("utf-8", "surrogatepass")
+            data = (role + _ROLE_END + content + _MESSAGE_END).encode("utf-8", "surrogatepass")
             entry = self._entries[key] = _chain(data, _seed(scope, salt), block_chars)
             if len(self._entries) > self.size:
                 self._entries.popitem(last=False)
@@ -169,21 +171,23 @@ def prompt_prefix(messages: Any, scope: str, request_kwargs: Any, settings: Any)
         scope = ""  # its radix tree is per worker, not per adapter
     salt = request_salt(request_kwargs)
     head = _first_message(messages, limit)
-    if head is not None and 2 * block <= len(head):  # the common long prompt: a system prompt first
-        hashes, crc, rest = _HEADS.chain(head, scope, salt, block)
-        tail = render_prompt(messages[1:MAX_MESSAGES], limit - len(head)).encode("utf-8", "surrogatepass")
+    rendered = len(head[0]) + len(head[1]) + 2 if head is not None else 0
+    if head is not None and 2 * block <= rendered:  # the common long prompt: a system prompt first
+        hashes, crc, rest = _HEADS.chain(*head, scope, salt, block)
+        tail = render_prompt(messages[1:MAX_MESSAGES], limit - rendered).encode("utf-8", "surrogatepass")
         hashes += _chain(rest + tail, crc, block)[0]
     else:
         hashes = prefix_hashes(render_prompt(messages, limit), scope, salt, block)
     return hashes if len(hashes) >= settings.prefix_min_blocks else ()
 
 
-def _first_message(messages: Any, limit: int) -> str | None:
-    """The first message as `render_prompt` renders it, when its content is plain text and it fits in `limit`."""
+def _first_message(messages: Any, limit: int) -> tuple[str, str] | None:
+    """The first message's role and content (rendered by `render_prompt` as role, separator, content, end),
+    when its content is plain text and the rendered message fits in `limit`."""
     if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
         return None
     role, content = messages[0].get("role"), messages[0].get("content")
     role = role if isinstance(role, str) else ""
-    if not isinstance(content, str) or len(role) + len(content) + 2 >= limit:  # checked before any copy
+    if not isinstance(content, str) or len(role) + len(content) + 2 >= limit:
         return None
-    return role + _ROLE_END + content + _MESSAGE_END
+    return role, content
