@@ -216,3 +216,16 @@ def test_a_view_with_dispatches_keeps_every_other_field_of_the_pod():
         if f.name not in ("waiting", "load", "active_adapters"):
             assert getattr(view, f.name) == getattr(base, f.name), f.name
     assert base.with_dispatches(1, set()).active_adapters is base.active_adapters
+
+
+def test_every_filter_the_rules_apply_can_be_disabled_by_name():
+    """`disabled_rules` names the filters `_Run.apply` records; one the settings refuse could never be switched off."""
+    import re
+    import typing
+    from pathlib import Path
+
+    from lora_affinity_plugin import scheduling
+    from lora_affinity_plugin.settings import RuleName
+
+    applied = set(re.findall(r'run\.apply\("([a-z_]+)"', Path(scheduling.__file__).read_text()))
+    assert applied and applied <= set(typing.get_args(RuleName)), applied - set(typing.get_args(RuleName))
