@@ -321,6 +321,14 @@ def test_deployments_map_to_their_pods_first_one_kept_whatever_they_carry():
     assert index.by_pod([no_id, nowhere, a2]) == {"http://c:8000": no_id, "http://a:8000": a2}
     assert index.by_pod([]) == {}
 
+    # Kept per list of ids (LiteLLM hands out a new list of copies each time), not for a list with an id-less one;
+    # a new model list forgets them all (an id may then name another pod).
+    assert index.pods_of([dict(a1), dict(b)]) is index.pods_of([a1, b])
+    assert index.pods_of([no_id, b]) is not index.pods_of([no_id, b])
+    moved = deployment("http://d:8000/v1", "1")  # id "1" now on another pod
+    index.pods_for_model([moved, b], "m")
+    assert index.pods_of([moved, b]).keys == ("http://d:8000", "http://b:8000")
+
 
 def _raised(*chain: BaseException) -> BaseException:
     """`chain[0]` raised while handling `chain[1]`, itself while handling `chain[2]`...: LiteLLM's wrapping."""
@@ -339,3 +347,31 @@ def test_only_a_connection_that_was_never_made_takes_a_pod_out():
     assert not _could_not_connect(timed_out)  # a slow pod is the rules' business, not dead
     assert not _could_not_connect(litellm.BadRequestError("bad", "m", "hosted_vllm"))  # the caller's mistake
     assert not _could_not_connect(None)
+
+
+async def test_routing_reads_no_deprecated_router_member():
+    """1.110 made `Router.model_list` (and other members) deprecated aliases that warn and count on every read: a
+    plugin reading one per request would flood a proxy's warnings and its deprecation counts. Whatever release is
+    installed, routing warns nothing (`compat.model_list`, `compat.healthy_deployments`)."""
+    router, strat, fleet = make()
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert await route(router, "sql-lora") == PODS[1]
+    ours = [f"{w.filename}: {w.message}" for w in caught
+            if issubclass(w.category, DeprecationWarning) and "lora_affinity_plugin" in w.filename]
+    assert ours == [] and strat.decisions == 3  # (the test's own call, router.async_get_available_deployment, may warn)
+
+
+def test_the_sync_path_is_left_to_litellm_and_warns_nothing():
+    """`router.completion` (sync) has no event loop to keep metrics fresh: LiteLLM picks (simple-shuffle), through
+    calls that are not deprecated on the installed release."""
+    router, strat, fleet = make()
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reply = router.completion(model="sql-lora", messages=[{"role": "user", "content": "x"}], mock_response="hi")
+    assert reply.choices[0].message.content == "hi" and strat.decisions == 0
+    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+            and "lora_affinity_plugin" in w.filename] == []

@@ -114,7 +114,7 @@ async def token_may_call(token: Any, model: str, router: Any) -> bool:
     from litellm.proxy.auth.auth_checks import can_key_call_model, can_team_access_model
 
     try:
-        await can_key_call_model(model=model, llm_model_list=router.model_list, valid_token=token, llm_router=router)
+        await can_key_call_model(model=model, llm_model_list=model_list(router), valid_token=token, llm_router=router)
         if getattr(token, "team_id", None):
             team = LiteLLM_TeamTable(team_id=token.team_id, models=list(getattr(token, "team_models", None) or []))
             await can_team_access_model(model=model, team_object=team, llm_router=router)
@@ -126,6 +126,14 @@ async def token_may_call(token: Any, model: str, router: Any) -> bool:
 def _rust_core(router: Any) -> Any | None:
     """1.110+: the router's Rust core (`Router.register_plugin`), which holds the registered strategy."""
     return getattr(router, "_core", None) if hasattr(type(router), "register_plugin") else None
+
+
+def model_list(router: Any) -> list[dict]:
+    """The router's deployments. 1.110+: `Router.registry().all()` (the same list object until the list changes);
+    `Router.model_list` became its deprecated alias there, which warns on every read (a `DeprecationWarning`
+    and a count: one per request, since the strategy reads it to know whether it routes a model group)."""
+    registry = getattr(router, "registry", None) if _rust_core(router) is not None else None
+    return registry().all() if callable(registry) else router.model_list
 
 
 def register_strategy(router: Any, strategy: Any) -> None:
@@ -199,7 +207,7 @@ def host_pick_sync(router: Any, model: str, messages: Any, input: Any, specific_
         return type(router).get_available_deployment(
             router, model=model, messages=messages, input=input, specific_deployment=specific_deployment,
             request_kwargs=request_kwargs)
-    deployments = router.get_model_list(model_name=model) or []
+    deployments = list(router.registry().deployments(model) or [])  # `get_model_list` is its deprecated alias there
     if not deployments:
         raise ValueError(f"no deployment for model {model!r}")
     from litellm.router_strategy.simple_shuffle import simple_shuffle

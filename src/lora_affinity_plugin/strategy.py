@@ -27,7 +27,7 @@ import litellm
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
-from .compat import healthy_deployments, host_pick, host_pick_sync, register_strategy, registered_strategy
+from .compat import healthy_deployments, host_pick, host_pick_sync, model_list, register_strategy, registered_strategy
 from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
@@ -229,7 +229,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
 
     def _manages(self, model: str) -> bool:
         """A model group is ours when at least one of its deployments has pod metrics."""
-        return self.fleet.knows(self._index.pods_for_model(self.router.model_list, model))
+        return self.fleet.knows(self._index.pods_for_model(model_list(self.router), model))
 
     # --- background: keep the fleet view fresh -------------------------------------------------
     def ensure_refresher(self) -> None:
@@ -241,7 +241,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             self._refresher = loop.create_task(self._follow_redis(), name="lora-affinity-refresh")
 
     async def _follow_redis(self) -> None:
-        self.follower = Follower(self.base_settings, self.fleet, lambda: discover_pods(self.router.model_list),
+        self.follower = Follower(self.base_settings, self.fleet, lambda: discover_pods(model_list(self.router)),
                                  self.apply_settings)
         await self.follower.run()
 

@@ -15,6 +15,7 @@ import time
 
 import litellm
 
+from ..compat import model_list
 from ..fleet import FleetView
 from ..scheduling import PodMetrics
 from ..settings import build_settings
@@ -100,7 +101,7 @@ async def _measure(n: int, iterations: int, seed: int, prompt_chars: int = 0) ->
     plugin_router.set_custom_routing_strategy(strategy)  # no refresher: the fleet is fed below, no Redis at all
     from ..pods import discover_pods
 
-    pods = discover_pods(plugin_router.model_list)
+    pods = discover_pods(model_list(plugin_router))
     fleet.update(_records(pods, rng, time.time()))
 
     def refresh() -> None:  # what the background refresher does every interval
@@ -115,7 +116,7 @@ async def _measure(n: int, iterations: int, seed: int, prompt_chars: int = 0) ->
         plugin += await _time_router(plugin_router, iterations // 5, rng, prompts, refresh)
 
     # The plugin's own part, without the host's healthy-deployment lookup.
-    healthy = plugin_router.model_list
+    healthy = model_list(plugin_router)
     own = []
     for i in range(iterations):
         if i % 200 == 0:
