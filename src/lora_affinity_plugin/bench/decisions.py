@@ -15,7 +15,7 @@ import time
 
 import litellm
 
-from ..compat import model_list
+from ..compat import model_list, register_strategy
 from ..fleet import FleetView
 from ..scheduling import PodMetrics
 from ..settings import build_settings
@@ -76,6 +76,14 @@ class Prompts:
         return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 
+async def pick(router: litellm.Router, model: str, messages: list[dict]) -> object:
+    """What the proxy asks the router for a request: `Router.select` on 1.110 (where the older call is a
+    deprecated alias that warns on every call, which would be timed too), the older call before."""
+    if hasattr(type(router), "register_plugin") and hasattr(router, "select"):
+        return await router.select(model, {"metadata": {}}, messages=messages)
+    return await router.async_get_available_deployment(model=model, messages=messages, request_kwargs={"metadata": {}})
+
+
 async def _time_router(router: litellm.Router, iterations: int, rng: random.Random, prompts: Prompts,
                        refresh=None) -> list[int]:
     samples = []
@@ -85,7 +93,7 @@ async def _time_router(router: litellm.Router, iterations: int, rng: random.Rand
         model = ADAPTERS[rng.randrange(len(ADAPTERS))]
         messages = prompts.next()
         start = time.perf_counter_ns()
-        await router.async_get_available_deployment(model=model, messages=messages, request_kwargs={"metadata": {}})
+        await pick(router, model, messages)
         samples.append(time.perf_counter_ns() - start)
     return samples
 
@@ -98,7 +106,7 @@ async def _measure(n: int, iterations: int, seed: int, prompt_chars: int = 0) ->
     plugin_router = litellm.Router(model_list=_model_list(n), routing_strategy="simple-shuffle")
     fleet = FleetView(settings)
     strategy = LoraAffinityStrategy(plugin_router, settings, rng=random.Random(seed), fleet=fleet)
-    plugin_router.set_custom_routing_strategy(strategy)  # no refresher: the fleet is fed below, no Redis at all
+    register_strategy(plugin_router, strategy)  # no refresher: the fleet is fed below, no Redis at all
     from ..pods import discover_pods
 
     pods = discover_pods(model_list(plugin_router))
