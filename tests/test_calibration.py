@@ -45,3 +45,14 @@ def test_runs_are_repeatable():
     a = run_fast(SCENARIOS["seed"], "lora-affinity", seed=4)
     b = run_fast(SCENARIOS["seed"], "lora-affinity", seed=4)
     assert (a.completed, a.output_tokens, a.per_replica) == (b.completed, b.output_tokens, b.per_replica)
+
+
+def test_a_sweep_over_seeds_keeps_each_seeds_ttft_p90_beside_the_medians():
+    from lora_affinity_plugin.bench.latency import median_latency
+    from lora_affinity_plugin.bench.scenarios import at_rate
+
+    runs = [run_fast(at_rate(SCENARIOS["multi-turn"], 3.0), "lora-affinity", seed=s) for s in SEEDS]
+    merged = median_latency(runs)
+    assert merged.ttft_p90_by_seed == [round(r.ttft_s["p90"], 4) for r in runs]
+    assert merged.ttft_s["p90"] == round(statistics.median(r.ttft_s["p90"] for r in runs), 4)
+    assert merged.to_dict()["ttft_p90_by_seed"] == merged.ttft_p90_by_seed

@@ -51,6 +51,9 @@ class Result:
     """Requests refused with HTTP 429 (shedding: an answer, not an error)."""
     classes: dict = field(default_factory=dict)
     """Per criticality ("critical", "sheddable"), the same figures, when the run had sheddable requests."""
+    ttft_p90_by_seed: list[float] = field(default_factory=list)
+    """Fast mode over several seeds: each seed's TTFT p90 (near a fleet's limit the median hides how many
+    seeds saturate)."""
 
     @property
     def req_per_s(self) -> float:
