@@ -317,6 +317,36 @@ def test_a_long_unseen_prompt_for_a_running_adapter_stays_with_its_adapter():
     assert choose_pod(pods, unseen, v1, random.Random(1)).pod != "a"  # what it replaced
 
 
+def test_an_adapters_unseen_app_instructions_go_where_the_caches_hold_least_a_text_stays_with_the_adapter():
+    """Every later request of the app follows its instructions to their pod: they are placed for the cache first
+    (then a pod running the adapter, else one with a free slot); the same prompt without a system message is a
+    text seen once and stays with the adapter's pod."""
+    pods = [pod("a", running=6, adapters={"sql"}), pod("b", running=2, adapters={"t1", "t2", "t3", "t4"}),
+            pod("c", running=2, adapters={"t5"})]
+    sizes = {"a": 900, "b": 0, "c": 10}
+    app = RouteRequest("sql", prefix_blocks=8, placement_key=7, prefix_sizes=sizes, instructions_blocks=6)
+    text = RouteRequest("sql", prefix_blocks=8, placement_key=7, prefix_sizes=sizes)
+    decisions = {choose_pod(pods, app, S, random.Random(seed)).pod for seed in range(20)}
+    assert decisions == {"c"}  # b and c hold least; c has a free slot for the adapter, b has none
+    assert {choose_pod(pods, text, S, random.Random(seed)).pod for seed in range(20)} == {"a"}
+    short = RouteRequest("sql", prefix_blocks=8, placement_key=7, prefix_sizes=sizes, instructions_blocks=1)
+    assert choose_pod(pods, short, S, random.Random(1)).pod == "a"  # instructions under prefix_min_blocks: a text
+    held = RouteRequest("sql", prefix_blocks=8, prefix_matches={"a": 8}, placement_key=7, prefix_sizes=sizes,
+                        instructions_blocks=6)
+    assert choose_pod(pods, held, S, random.Random(1)).pod == "a"  # once placed, the adapter rules and the match
+
+
+def test_instructions_are_a_system_or_developer_message_with_text():
+    from lora_affinity_plugin.prefixes import instructions_blocks
+
+    system = [{"role": "system", "content": "x" * 1022}, {"role": "user", "content": "q" * 5000}]
+    assert instructions_blocks(system, 256) == 4  # role, separators and content: 1030 characters
+    assert instructions_blocks([{"role": "developer", "content": "x" * 600}], 256) == 2
+    assert instructions_blocks([{"role": "user", "content": "x" * 5000}], 256) == 0  # a text, not instructions
+    assert instructions_blocks([{"role": "system", "content": [{"type": "text", "text": "x"}]}], 256) == 0
+    assert instructions_blocks("a completion prompt", 256) == instructions_blocks([], 256) == instructions_blocks(None, 256) == 0
+
+
 def test_a_new_adapter_with_a_long_prompt_is_placed_by_the_adapter_rules_then_the_emptiest_cache():
     pods = [pod("a", adapters={"x1", "x2", "x3"}), pod("b", adapters={"y1"}), pod("c", adapters={"z1"})]
     unseen = RouteRequest("new", prefix_blocks=8, placement_key=7, prefix_sizes={"a": 0, "b": 500, "c": 20})

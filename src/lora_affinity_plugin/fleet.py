@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .cost import DEFAULT_RATES, relative_slowness
 from .inflight import Dispatch, InFlight, PeerShare
 from .prefix_index import PrefixIndex
-from .prefixes import placement_key, prompt_prefix
+from .prefixes import instructions_blocks, placement_key, prompt_prefix
 from .scheduling import Candidate, RouteRequest
 from .settings import Settings
 from .store import PodRecord
@@ -138,7 +138,8 @@ class FleetView:
         return RouteRequest(
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
             prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
-            prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt)
+            prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
+            instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars))
 
     def serve(self, adapters: Iterable[str]) -> None:
         """The adapters the fleet serves (the pods' /v1/models, from discovery): what gateways deal."""

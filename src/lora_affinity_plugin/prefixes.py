@@ -181,6 +181,18 @@ def prompt_prefix(messages: Any, scope: str, request_kwargs: Any, settings: Any)
     return hashes if len(hashes) >= settings.prefix_min_blocks else ()
 
 
+def instructions_blocks(messages: Any, block_chars: int) -> int:
+    """About how many full blocks the first message fills when it is the app's instructions (a `system` or
+    `developer` message with text content); 0 otherwise. Counted in characters (a byte count would encode
+    the message again): for non-ASCII text an underestimate."""
+    if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
+        return 0
+    role, content = messages[0].get("role"), messages[0].get("content")
+    if role not in ("system", "developer") or not isinstance(content, str):
+        return 0
+    return (len(role) + len(content) + 2) // block_chars
+
+
 def _first_message(messages: Any, limit: int) -> tuple[str, str] | None:
     """The first message's role and content (rendered by `render_prompt` as role, separator, content, end),
     when its content is plain text and the rendered message fits in `limit`."""
