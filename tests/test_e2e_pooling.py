@@ -163,7 +163,7 @@ def test_abandoned_streams_are_aborted_upstream_and_leak_no_connection(stack):
     for _ in range(3):  # 3 x 100 streams, 20% hung up after two chunks
         outcome = asyncio.run(_load(stack["urls"]["pooled"], 100, stream_share=1.0, abandon_share=0.2))
         assert outcome == {"completed": 80, "abandoned": 20, "bad": 0}
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 15  # a loaded machine relays the hang-ups late; a quiet one in well under 1 s
         while time.monotonic() < deadline:
             now = sim_counters(stack)
             if now["aborted"] - before["aborted"] >= 20 * (len(rounds) + 1):

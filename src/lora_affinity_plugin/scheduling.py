@@ -303,6 +303,9 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
        others), which sends less to a slow pod; least KV use; gateways agree on new placements by
        rendezvous rank.
     """
+    if run.trace is not None:  # explaining: every candidate's estimate, whichever rule decides
+        best_match = max(request.prefix_matches.values(), default=0)
+        run.costs = {p.key: cost_parts(p, request, settings, best_match) for p in run.considered}
     low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
     pods = run.apply("low_queue", pods, low_queue)
     long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
@@ -492,9 +495,6 @@ def _cheapest(pods: list[Candidate], request: RouteRequest, settings: Settings, 
               agree: bool = False) -> Decision:
     """Step 4: least load; the least estimated cost (pods within `cost_band_ms` or `cost_band_ratio` of it are
     equal); least KV use; one of the equals."""
-    if run.trace is not None:
-        best_match = max(request.prefix_matches.values(), default=0)
-        run.costs = {p.key: cost_parts(p, request, settings, best_match) for p in run.considered}
     if len(pods) > 1:
         best_match = max(request.prefix_matches.values(), default=0)
         totals = [_cost_s(p, request, settings, best_match) for p in pods]
