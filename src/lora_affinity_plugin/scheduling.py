@@ -476,11 +476,17 @@ def _place_instructions(pods: list[Candidate], request: RouteRequest, settings: 
     Measured on shared-prefix (two system prompts per adapter), placing them on the adapter's pods
     saturated the fleet at 10 req/s in 26 of 60 seeds, this in 11 (the previous default's placement, 9).
     """
-    pods, _ = _prefix_filters(pods, request, settings, run)
+    return _adapter_then_least_load(_unseen_prefix_filters(pods, request, settings, run), request, run)
+
+
+def _adapter_then_least_load(pods: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
+    """A new prefix's last steps: the pods running its adapter, else those with a free slot (a base-model
+    prompt skips that), the least-load band, and the rendezvous rank, so every gateway picks alike."""
     adapter = request.adapter
-    running = [p for p in pods if adapter in p.active_adapters]
-    pods = run.apply("adapter_active", pods, running) if running else \
-        run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
+    if adapter is not None:
+        running = [p for p in pods if adapter in p.active_adapters]
+        pods = run.apply("adapter_active", pods, running) if running else \
+            run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
     pods = run.apply("least_load", pods, _least_load(pods, run.width))
     return run.pick(pods, "new_prefix", agree=True)
 
@@ -532,10 +538,17 @@ def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Sett
     warm = _warm(pods, request, settings)
     if warm:
         return run.apply("prefix_match", pods, warm), True
+    return _unseen_prefix_filters(pods, request, settings, run), False
+
+
+def _unseen_prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings,
+                           run: _Run) -> list[Candidate]:
+    """A prompt no pod holds: the pods not far busier, the fastest of them (all of it is computed), and of
+    those the ones whose caches hold least (it stays where it lands)."""
     pods = run.apply("roomy", pods, _not_far_busier(pods, settings))
     fastest = min(p.slowness for p in pods)  # the whole prompt is computed: speed before cache room
     pods = run.apply("fastest", pods, [p for p in pods if p.slowness == fastest])
-    return run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width)), False
+    return run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
 
 
 def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str) -> Decision:
@@ -592,13 +605,7 @@ def _new_prefix_v1(pods: list[Candidate], roomy: list[Candidate], request: Route
     """
     pods = run.apply("roomy", pods, roomy)
     pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
-    adapter = request.adapter
-    if adapter is not None:
-        holders = [p for p in pods if adapter in p.active_adapters]
-        pods = run.apply("adapter_active", pods, holders) if holders else \
-            run.apply("free_slot", pods, [p for p in pods if p.has_free_slot()])
-    pods = run.apply("least_load", pods, _least_load(pods, run.width))
-    return run.pick(pods, "new_prefix", agree=True)
+    return _adapter_then_least_load(pods, request, run)
 
 
 def _fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float) -> list[Candidate]:
