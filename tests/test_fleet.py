@@ -161,8 +161,8 @@ def test_own_dispatches_since_the_peers_were_read_stand_for_theirs_too():
 
 def test_a_kept_candidate_list_reads_like_a_fresh_one_after_every_change():
     """The strategy asks for a tuple of pods and gets a list the fleet keeps between requests, renewing only the
-    views a change touched: after any sequence of dispatches, ends, retries, sweeps, peers' shares, refusals and
-    scrapes it must equal what a fresh read (a list of pods: nothing kept) gives."""
+    views a change touched (a scrape renews every kept list): after any sequence of dispatches, ends, retries, sweeps,
+    peers' shares, refusals and scrapes (pods failing and coming back) it must equal what a fresh read (a list of pods: nothing kept) gives."""
     import random
 
     from lora_affinity_plugin.inflight import PeerShare
@@ -191,7 +191,8 @@ def test_a_kept_candidate_list_reads_like_a_fresh_one_after_every_change():
         elif op < 0.9:
             fleet.refused(rng.choice(pods), now)
         else:
-            fleet.update({p: rec(p, now - 0.1, waiting=rng.randrange(3)) for p in pods}, now)
+            fleet.update({p: rec(p, now - 0.1, waiting=rng.randrange(3)) if rng.random() < 0.8
+                          else PodRecord(p, now - 0.1, None, "HTTP 500") for p in pods}, now)  # pods fail and come back
         kept = fleet.candidates(pods, now)
         assert kept == fleet.candidates(list(pods), now), step
         kept.clear()  # the caller's copy: clearing it must not empty the kept one

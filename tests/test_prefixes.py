@@ -387,6 +387,38 @@ def test_a_chats_next_turn_stays_with_the_holder_of_its_history_beyond_the_load_
     assert choose_pod([far, idle], turn, S, random.Random(1)).pod == "b"
 
 
+
+def test_a_conversations_next_turn_leaves_a_queued_pod_only_when_recomputing_its_history_costs_less():
+    """The cost decides for a base-model chat's next turn when every pod holding its history reported a queue:
+    a short history is recomputed on an idle pod rather than wait; a long one waits; a pod with requests just
+    sent (no queue at its scrape) and a first turn (the app's system prompt, which other chats match) keep the
+    prefix rules."""
+    queued = pod("a", waiting=3, running=4)  # not far busier than b (load 7 against 2), but a queue at its scrape
+    idle = pod("b", running=2)
+
+    def turn(held, later=True):
+        return RouteRequest(None, prefix_blocks=8, prefix_matches={"a": held}, placement_key=7, later_turn=later)
+
+    decision = choose_pod([queued, idle], turn(2), S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("b", "next_turn")
+    decision = choose_pod([queued, idle], turn(8), S, random.Random(1))
+    assert decision.pod == "a"  # all of it held: as cheap as recomputing it (within the band), and no second copy
+    just_sent = pod("a", waiting=3, running=4, reported=0)
+    assert choose_pod([just_sent, idle], turn(2), S, random.Random(1)).pod == "a"
+    decision = choose_pod([queued, idle], turn(2, later=False), S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("a", "prefix")
+    explained = choose_pod([queued, idle], turn(2), S, random.Random(1), explain=True)
+    assert explained.costs["b"].total_s < explained.costs["a"].total_s  # the parts `explain` prints say why
+
+
+def test_a_later_turn_carries_an_assistant_message():
+    from lora_affinity_plugin.prefixes import is_later_turn
+
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    assert not is_later_turn(first)
+    assert is_later_turn(first + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}])
+    assert not is_later_turn("a completion prompt") and not is_later_turn(None) and not is_later_turn([None, 3])
+
 # --- several gateways place an adapter alike ---------------------------------------------------------
 
 

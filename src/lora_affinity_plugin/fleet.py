@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .cost import DEFAULT_RATES, relative_slowness
 from .inflight import Dispatch, InFlight, PeerShare
 from .prefix_index import PrefixIndex
-from .prefixes import instructions_blocks, placement_key, prompt_prefix
+from .prefixes import instructions_blocks, is_later_turn, placement_key, prompt_prefix
 from .scheduling import Candidate, RouteRequest
 from .settings import Settings
 from .store import PodRecord
@@ -139,7 +139,8 @@ class FleetView:
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
             prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
             prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
-            instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars))
+            instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
+            later_turn=is_later_turn(messages))
 
     def serve(self, adapters: Iterable[str]) -> None:
         """The adapters the fleet serves (the pods' /v1/models, from discovery): what gateways deal."""
@@ -179,11 +180,18 @@ class FleetView:
         self._build_views()
 
     def _build_views(self) -> None:
-        """Here, in the refresh, not on the next request: a refresh renews every view at once."""
-        self._lists.clear()
+        """Here, in the refresh, not on the next request: a refresh renews every view at once, and the candidate
+        lists kept for the model groups asked for lately (a pod may have become usable or unusable)."""
         for state in self._pods.values():
             if state.view is None and state.base is not None:
                 self._view(state)
+        for pods in list(self._lists):
+            self._lists[pods] = self._candidate_list(pods)
+
+    def _candidate_list(self, pods: tuple[str, ...]) -> _CandidateList:
+        get = self._pods.get
+        usable = [(pod, state) for pod, state in zip(pods, map(get, pods)) if state is not None and state.base is not None]
+        return _CandidateList(usable, [state.view or self._view(state) for _, state in usable])
 
     def _renew(self, pod: str, state: _PodState) -> None:
         """`pod`'s view changed (a dispatch came or went): the candidate lists holding it renew it when next read."""
@@ -328,9 +336,7 @@ class FleetView:
         request renews one or two of 64, instead of reading all 64)."""
         kept = self._lists.get(pods)
         if kept is None:
-            get = self._pods.get
-            usable = [(pod, state) for pod, state in zip(pods, map(get, pods)) if state is not None and state.base is not None]
-            kept = self._lists[pods] = _CandidateList(usable, [state.view or self._view(state) for _, state in usable])
+            kept = self._lists[pods] = self._candidate_list(pods)
             if len(self._lists) > _LISTS_KEPT:
                 self._lists.popitem(last=False)
         elif kept.renew:

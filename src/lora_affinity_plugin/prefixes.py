@@ -193,6 +193,17 @@ def instructions_blocks(messages: Any, block_chars: int) -> int:
     return (len(role) + len(content) + 2) // block_chars
 
 
+def is_later_turn(messages: Any) -> bool:
+    """Whether the prompt carries an earlier turn of its conversation (an `assistant` message): a chat's next turn,
+    whose history is what a pod holds of it."""
+    if not isinstance(messages, (list, tuple)):
+        return False
+    for message in messages[:MAX_MESSAGES]:
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            return True
+    return False
+
+
 def _first_message(messages: Any, limit: int) -> tuple[str, str] | None:
     """The first message's role and content (rendered by `render_prompt` as role, separator, content, end),
     when its content is plain text and the rendered message fits in `limit`."""
