@@ -140,7 +140,7 @@ class FleetView:
             prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
             prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
             instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
-            later_turn=is_later_turn(messages))
+            later_turn=adapter is None and is_later_turn(messages))  # only a base-model turn reads it
 
     def serve(self, adapters: Iterable[str]) -> None:
         """The adapters the fleet serves (the pods' /v1/models, from discovery): what gateways deal."""

@@ -316,10 +316,10 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
     if request.adapter is None:
         if long_prompt:
-            warm = _warm(pods, request, settings) if request.later_turn else []
+            warm = _warm(pods, request, settings) if request.later_turn else None
             if warm and all(p.reported_waiting for p in warm):
                 return _next_turn_by_cost(pods, request, settings, run)
-            return _by_prefix(pods, request, settings, run, "base_model")
+            return _by_prefix(pods, request, settings, run, "base_model", warm)
         return _cheapest(pods, request, settings, run, "base_model")
 
     warm = _warm(pods, request, settings) if long_prompt else []
@@ -565,11 +565,12 @@ def cost_parts(p: Candidate, request: RouteRequest, settings: Settings, best_mat
                     active=p.active_adapters, resident=p.resident_adapters)
 
 
-def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings,
-                    run: _Run) -> tuple[list[Candidate], bool]:
-    """Among pods the adapter rules allow: the longest match (not far busier), else the fastest pods' emptiest
-    caches. Returns the pods and whether a match chose them."""
-    warm = _warm(pods, request, settings)
+def _prefix_filters(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run,
+                    warm: list[Candidate] | None = None) -> tuple[list[Candidate], bool]:
+    """Among pods the adapter rules allow: the longest match (not far busier; `warm`, when the caller has it),
+    else the fastest pods' emptiest caches. Returns the pods and whether a match chose them."""
+    if warm is None:
+        warm = _warm(pods, request, settings)
     if warm:
         return run.apply("prefix_match", pods, warm), True
     return _unseen_prefix_filters(pods, request, settings, run), False
@@ -585,9 +586,10 @@ def _unseen_prefix_filters(pods: list[Candidate], request: RouteRequest, setting
     return run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
 
 
-def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str) -> Decision:
+def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str,
+               warm: list[Candidate] | None = None) -> Decision:
     """Steps 3-4 for a long prompt: a match is named `prefix`, an unseen base-model prompt `new_prefix`."""
-    pods, matched = _prefix_filters(pods, request, settings, run)
+    pods, matched = _prefix_filters(pods, request, settings, run, warm)
     if matched:
         branch = "prefix"
     elif branch == "base_model":  # a new prefix: gateways agree where it lands
