@@ -82,3 +82,39 @@ def test_a_live_row_whose_proxy_was_saturated_is_refused():
     reason = refusal(row(0.93))
     assert "busiest proxy worker used 93% of a core" in reason and "not the routing" in reason
     assert "12.5, 93% SATURATED" in format_table([row(0.93)])
+
+
+def test_a_live_row_whose_simulated_replicas_lagged_is_flagged_and_the_demo_slows_down(monkeypatch, capsys, tmp_path):
+    import argparse
+
+    from lora_affinity_plugin import demo
+    from lora_affinity_plugin.bench.results import Result, format_table, lag_warning, refusal
+
+    def row(strategy: str, lag: float) -> Result:
+        return Result(strategy, "seed", "live", 100, 0, 0, 100.0, 1000,
+                      transport={"proxy_busiest_worker": 0.3, "proxy_requests_per_s": 5.0,
+                                 "proxy_cpu_ms_per_request": 50.0, "sim_lag_share": lag})
+
+    assert lag_warning(row("simple-shuffle", 0.08)) is None
+    warning = lag_warning(row("lora-affinity", 0.31))
+    assert "lost 31% of the run" in warning and "--speed" in warning
+    assert refusal(row("lora-affinity", 0.31)) is None  # a warning: both strategies share the machine
+    assert format_table([row("lora-affinity", 0.31)])
+
+    speeds = []
+
+    def run_both(scenario, args, speed, *rest):
+        speeds.append(speed)
+        lag = 0.4 if speed > 5 else 0.02
+        return [row("simple-shuffle", lag), row("lora-affinity", lag)]
+
+    monkeypatch.setattr(demo, "_run_both", run_both)
+    monkeypatch.setattr(demo, "redis_server", lambda *a, **k: argparse.Namespace(embedded=False, stop=lambda: None))
+    monkeypatch.setattr(demo, "scratch_dir", lambda prefix: tmp_path)
+    monkeypatch.setattr(demo, "write_chart", lambda *a: None)
+    monkeypatch.setattr(demo, "write_json", lambda *a: None)
+    args = argparse.Namespace(speed=None, requests=100, gateways=1, config=None, out="unused", seed=1)
+    assert demo.run_demo(args) == 0
+    out = capsys.readouterr().out
+    assert speeds == [10.0, 5.0]
+    assert "lost 40% of the run" in out and "again at 5x" in out and "At 5x:" in out

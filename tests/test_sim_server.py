@@ -165,3 +165,30 @@ def test_replica_profiles_are_checked():
         parse_profiles("sped=1")
     with pytest.raises(SystemExit, match="speed must be positive"):
         parse_profiles("speed=0")
+
+
+async def test_a_replica_counts_the_time_its_steps_ran_late():
+    """A machine too slow for `--speed` runs steps late; the lag is counted, so a benchmark can say so."""
+    import asyncio
+    import random
+
+    from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
+    from lora_affinity_plugin.sim.metrics_page import render_metrics
+    from lora_affinity_plugin.sim.server import LiveReplica
+
+    config = EngineConfig()
+    engine = ReplicaEngine(config, random.Random(1), [], [])
+    replica = LiveReplica(engine, 10.0, None, "kv_cache_usage_perc", True)
+    engine.add(Sequence("r0", None, 10, 100_000, 0.0))  # decoding all along: a step every few ms
+    runner = asyncio.create_task(replica.run())
+    try:
+        await asyncio.sleep(0.5)
+        on_time = replica.lag_s  # steps on time (a loaded machine may stall briefly)
+        time.sleep(0.5)  # the process is busy elsewhere: the simulated GPU loses this time
+        await asyncio.sleep(0.05)
+    finally:
+        runner.cancel()
+    assert on_time < 0.2
+    assert 0.4 < replica.lag_s - on_time < 1.5  # 0.5 s, less the 50 ms a late step may catch up
+    lag = float(re.search(r"^sim_lag_seconds_total (\S+)", render_metrics(replica, config.base_model), re.M).group(1))
+    assert lag == pytest.approx(replica.lag_s, abs=0.001)

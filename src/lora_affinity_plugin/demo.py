@@ -6,8 +6,9 @@ seed's benchmark run through them, then the same fleet behind LiteLLM's simple-s
 Ctrl-C or the end stops every process it started.
 
 The simulated fleet runs faster than real time; the proxies do not. When a proxy worker was busier
-than 85% of a core, the row measured the proxy, so the demo says so and runs again at half the speed
-(unless `--speed` was given).
+than 85% of a core, the row measured the proxy; when the simulated replicas lost over 10% of the run to
+steps the machine ran late, it measured the machine. Either way the demo says so and runs again at half
+the speed (unless `--speed` was given).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 from pathlib import Path
 
 from .bench.live import run_strategy
-from .bench.results import Result, format_table, refusal, write_chart, write_json
+from .bench.results import Result, format_table, lag_warning, refusal, write_chart, write_json
 from .bench.scenarios import get_scenario, with_overrides
 from .processes import free_port, redis_server, scratch_dir
 
@@ -25,7 +26,8 @@ _EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed", type=float, default=None,
-                        help="simulated time runs K times faster (default: 10, halved while a proxy is saturated)")
+                        help="simulated time runs K times faster (default: 10, halved while a proxy is "
+                             "saturated or the simulated replicas lag)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the seed scenario (default 1000)")
     parser.add_argument("--gateways", type=int, default=2, help="proxy replicas sharing one Redis")
     parser.add_argument("--config", default=str(_EXAMPLE) if _EXAMPLE.exists() else None,
@@ -57,9 +59,11 @@ def run_demo(args: argparse.Namespace) -> int:
         for i, speed in enumerate(speeds):
             results = _run_both(scenario, args, speed, redis_port, workdir, config)
             refused = [reason for r in results if (reason := refusal(r))]
-            if not refused or i == len(speeds) - 1:
+            lagged = [warning for r in results if (warning := lag_warning(r))]
+            if not (refused or lagged) or i == len(speeds) - 1:
                 break
-            print("\n".join(refused) + f"\nagain at {speeds[i + 1]:g}x, so that the routing, not the proxy, decides\n")
+            print("\n".join(refused + lagged)
+                  + f"\nagain at {speeds[i + 1]:g}x, so that the routing, not the proxy or this machine, decides\n")
     except KeyboardInterrupt:
         print("interrupted: every process started by the demo has been stopped")
         return 130
@@ -69,6 +73,8 @@ def run_demo(args: argparse.Namespace) -> int:
     shuffle, plugin = results
     if refused:
         print("\n".join(refused) + "\nso the figures below measured the proxies, not the routing: try --gateways 3")
+    if lagged:
+        print("\n".join(lagged) + "\nso the figures below measured this machine as much as the routing: try --speed 2")
     print(f"\nAt {speed:g}x: lora-affinity completed {plugin.completed} vs {shuffle.completed} requests and "
           f"{plugin.output_tokens_per_s / max(shuffle.output_tokens_per_s, 1e-9):.2f}x the output tokens/s of "
           "simple-shuffle on the same simulated GPUs.")

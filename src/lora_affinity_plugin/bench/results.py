@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .transport import SATURATED, TransportStats, load_label
+from .transport import SATURATED, SIM_LAGGED, TransportStats, load_label
 
 
 @dataclass
@@ -72,6 +72,17 @@ class Result:
 
 MAX_ERROR_SHARE = 0.01
 """A live row with more failed requests than this is not a result: the run, not the strategy, went wrong."""
+
+
+def lag_warning(result: Result) -> str | None:
+    """Why the machine, not only the routing, shaped `result`: its simulated replicas ran their steps late.
+
+    A warning, not a refusal: both strategies of a run share the machine, and a busy CI machine lags a little."""
+    load = TransportStats.from_dict(result.transport) if result.transport else None
+    if load is None or not load.sim_lagged:
+        return None
+    return (f"{result.strategy}: the simulated replicas lost {load.sim_lag_share:.0%} of the run to steps this machine "
+            f"ran late (over {SIM_LAGGED:.0%}): the fleet was slower than modelled; run slower (--speed)")
 
 
 def refusal(result: Result) -> str | None:

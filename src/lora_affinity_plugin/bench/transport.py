@@ -25,18 +25,21 @@ UNCLOSED = "Unclosed client session"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 SATURATED = 0.85
 """A proxy worker busier than this share of a core over the measured window measures the proxy, not the routing."""
+SIM_LAGGED = 0.10
+"""Simulated replicas that lost more than this share of the window to late steps measured this machine."""
 
 
-def replica_counters(url: str) -> tuple[int, int, int]:
-    """(connections accepted, closed idle by the server, peak requests in flight) from a simulated replica."""
+def replica_counters(url: str) -> tuple[int, int, int, float]:
+    """(connections accepted, closed idle by the server, peak requests in flight, seconds lost to late steps)
+    from a simulated replica."""
     page = httpx.get(url + "/metrics", timeout=5).text
 
-    def value(name: str) -> int:
+    def value(name: str) -> float:
         found = re.search(rf"^{name} (\S+)", page, re.M)
-        return int(float(found.group(1))) if found else 0
+        return float(found.group(1)) if found else 0.0
 
-    return (value("sim_connections_accepted_total"), value("sim_connections_idle_closed_total"),
-            value("sim_requests_in_flight_peak"))
+    return (int(value("sim_connections_accepted_total")), int(value("sim_connections_idle_closed_total")),
+            int(value("sim_requests_in_flight_peak")), value("sim_lag_seconds_total"))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -103,10 +106,17 @@ class TransportStats:
     """The busiest proxy process's CPU over the measured window, as a share of one core."""
     proxy_requests_per_s: float = 0.0
     """Requests the proxies sustained over the measured window (wall clock, all proxies together)."""
+    sim_lag_share: float = 0.0
+    """The most lagging simulated replica's real seconds lost to late steps, as a share of the window."""
 
     @property
     def saturated(self) -> bool:
         return self.proxy_busiest_worker > SATURATED
+
+    @property
+    def sim_lagged(self) -> bool:
+        """The machine could not run the simulated replicas at this speed: the fleet was slower than modelled."""
+        return self.sim_lag_share > SIM_LAGGED
 
     @property
     def connections_per_1k(self) -> float:
@@ -171,6 +181,8 @@ class TransportProbe:
             proxy_cpu_ms_per_request=round(1000 * cpu / requests, 2) if requests else 0.0,
             proxy_busiest_worker=round(max(per_process, default=0.0) / window, 3) if window > 0 else 0.0,
             proxy_requests_per_s=round(requests / window, 2) if window > 0 and self.proxy_pids else 0.0,
+            sim_lag_share=round(max((a[3] - b[3] for a, b in zip(after, self._before)), default=0.0) / window, 3)
+            if window > 0 else 0.0,
         )
 
 
@@ -184,13 +196,13 @@ def _count(path: Path, needle: str) -> int:
 def format_transport_table(rows: list[tuple[str, TransportStats]]) -> str:
     head = (f"{'strategy':<26}{'conns/1k req':>13}{'conns per pod':>15}{'peak in flight':>16}{'idle-closed':>13}"
             f"{'pooled':>8}"
-            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}{'busiest worker':>16}")
+            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}{'busiest worker':>16}{'sim lag':>9}")
     lines = [head, "-" * len(head)]
     for name, t in rows:
         sockets = f"{t.proxy_sockets.get('median', 0)}/{t.proxy_sockets.get('max', 0)}" if t.proxy_sockets else "-"
         lines.append(f"{name:<26}{t.connections_per_1k:>13.0f}{_span(t.connections):>15}{_span(t.peak_in_flight):>16}"
                      f"{_span(t.idle_closed):>13}{'yes' if t.pooled else 'no':>8}{sockets:>23}{t.unclosed_sessions:>10}"
-                     f"{t.proxy_cpu_ms_per_request:>12.2f}{load_label(t):>16}")
+                     f"{t.proxy_cpu_ms_per_request:>12.2f}{load_label(t):>16}{t.sim_lag_share:>9.0%}")
     return "\n".join(lines)
 
 

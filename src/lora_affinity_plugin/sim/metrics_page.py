@@ -61,6 +61,9 @@ def _connection_lines(replica: LiveReplica) -> list[str]:
         "# HELP sim_requests_in_flight_peak Most inference requests in flight at once (simulator only).",
         "# TYPE sim_requests_in_flight_peak gauge",
         f"sim_requests_in_flight_peak {float(conn.peak_in_flight)}",
+        "# HELP sim_lag_seconds_total Real seconds the simulated GPU lost to steps run late (simulator only).",
+        "# TYPE sim_lag_seconds_total counter",
+        f"sim_lag_seconds_total {replica.lag_s:.3f}",
     ]
 
 

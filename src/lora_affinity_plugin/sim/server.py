@@ -93,6 +93,9 @@ class LiveReplica:
         self._t0 = time.monotonic()
         self.lora_history: list[tuple[float, str, str]] = []
         self.connections = ConnectionStats()
+        self.lag_s = 0.0
+        """Real seconds the simulated GPU lost because this process ran its steps late (a machine too slow for
+        `--speed`): a benchmark whose replicas lag measures the machine, not the routing."""
 
     def now(self) -> float:
         """Simulated seconds since start."""
@@ -109,7 +112,9 @@ class LiveReplica:
                 await self._wake.wait()
                 step_end = time.monotonic()
                 continue
-            step_end = max(step_end, time.monotonic() - 0.05) + duration_ms / 1000 / self.speed
+            now = time.monotonic()
+            self.lag_s += max(0.0, now - 0.05 - step_end)
+            step_end = max(step_end, now - 0.05) + duration_ms / 1000 / self.speed
             await asyncio.sleep(max(0.0, step_end - time.monotonic()))
             result = self.engine.finish_step((step_end - self._t0) * self.speed)
             for seq in result.tokens:
