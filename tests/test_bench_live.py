@@ -1,6 +1,8 @@
 """`lora-affinity bench` from the command line, with real processes."""
 
 import json
+import os
+import time
 
 from procs import run_cli as run
 
@@ -84,29 +86,30 @@ def test_a_live_row_whose_proxy_was_saturated_is_refused():
     assert "12.5, 93% SATURATED" in format_table([row(0.93)])
 
 
-def test_a_live_row_whose_simulated_replicas_lagged_is_flagged_and_the_demo_slows_down(monkeypatch, capsys, tmp_path):
+def test_a_live_row_measured_on_a_saturated_machine_is_flagged_and_the_demo_slows_down(monkeypatch, capsys, tmp_path):
     import argparse
 
     from lora_affinity_plugin import demo
-    from lora_affinity_plugin.bench.results import Result, format_table, lag_warning, refusal
+    from lora_affinity_plugin.bench.results import Result, format_table, machine_warning, refusal
 
-    def row(strategy: str, lag: float) -> Result:
+    def row(strategy: str, lag: float = 0.0, busy: float = 0.5) -> Result:
         return Result(strategy, "seed", "live", 100, 0, 0, 100.0, 1000,
                       transport={"proxy_busiest_worker": 0.3, "proxy_requests_per_s": 5.0,
-                                 "proxy_cpu_ms_per_request": 50.0, "sim_lag_share": lag})
+                                 "proxy_cpu_ms_per_request": 50.0, "sim_lag_share": lag, "machine_busy": busy})
 
-    assert lag_warning(row("simple-shuffle", 0.08)) is None
-    warning = lag_warning(row("lora-affinity", 0.31))
-    assert "lost 31% of the run" in warning and "--speed" in warning
-    assert refusal(row("lora-affinity", 0.31)) is None  # a warning: both strategies share the machine
-    assert format_table([row("lora-affinity", 0.31)])
+    assert machine_warning(row("simple-shuffle", lag=0.08, busy=0.85)) is None
+    lagged = machine_warning(row("lora-affinity", lag=0.31))
+    assert "lost 31% of the run" in lagged and "--speed" in lagged
+    busy = machine_warning(row("lora-affinity", busy=0.96))
+    assert "cores were 96% busy" in busy and "--speed" in busy
+    assert refusal(row("lora-affinity", busy=0.96)) is None  # a warning: both strategies share the machine
+    assert format_table([row("lora-affinity", lag=0.31)])
 
     speeds = []
 
     def run_both(scenario, args, speed, *rest):
         speeds.append(speed)
-        lag = 0.4 if speed > 5 else 0.02
-        return [row("simple-shuffle", lag), row("lora-affinity", lag)]
+        return [row("simple-shuffle", busy=0.7), row("lora-affinity", busy=0.97 if speed > 5 else 0.8)]
 
     monkeypatch.setattr(demo, "_run_both", run_both)
     monkeypatch.setattr(demo, "redis_server", lambda *a, **k: argparse.Namespace(embedded=False, stop=lambda: None))
@@ -117,4 +120,16 @@ def test_a_live_row_whose_simulated_replicas_lagged_is_flagged_and_the_demo_slow
     assert demo.run_demo(args) == 0
     out = capsys.readouterr().out
     assert speeds == [10.0, 5.0]
-    assert "lost 40% of the run" in out and "again at 5x" in out and "At 5x:" in out
+    assert "cores were 97% busy" in out and "again at 5x" in out and "At 5x:" in out
+
+
+def test_the_probe_reads_this_machines_cpu():
+    from lora_affinity_plugin.bench.transport import machine_cpu
+
+    busy, total = machine_cpu()
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # this process keeps one core busy
+        pass
+    busy_after, total_after = machine_cpu()
+    assert 0 < busy_after - busy <= total_after - total
+    assert (busy_after - busy) / (total_after - total) > 0.5 / os.cpu_count()  # at least half of one core

@@ -6,9 +6,10 @@ seed's benchmark run through them, then the same fleet behind LiteLLM's simple-s
 Ctrl-C or the end stops every process it started.
 
 The simulated fleet runs faster than real time; the proxies do not. When a proxy worker was busier
-than 85% of a core, the row measured the proxy; when the simulated replicas lost over 10% of the run to
-steps the machine ran late, it measured the machine. Either way the demo says so and runs again at half
-the speed (unless `--speed` was given).
+than 85% of a core, the row measured the proxy; when this machine's cores were over 90% busy, or the
+simulated replicas lost over 10% of the run to steps run late, it measured the machine (every process
+queued for CPU while the simulated clock ran on). Either way the demo says so and runs again at half the
+speed (unless `--speed` was given).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from .bench.live import run_strategy
-from .bench.results import Result, format_table, lag_warning, refusal, write_chart, write_json
+from .bench.results import Result, format_table, machine_warning, refusal, write_chart, write_json
 from .bench.scenarios import get_scenario, with_overrides
 from .processes import free_port, redis_server, scratch_dir
 
@@ -26,8 +27,8 @@ _EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed", type=float, default=None,
-                        help="simulated time runs K times faster (default: 10, halved while a proxy is "
-                             "saturated or the simulated replicas lag)")
+                        help="simulated time runs K times faster (default: 10, halved while a proxy or this "
+                             "machine is saturated)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the seed scenario (default 1000)")
     parser.add_argument("--gateways", type=int, default=2, help="proxy replicas sharing one Redis")
     parser.add_argument("--config", default=str(_EXAMPLE) if _EXAMPLE.exists() else None,
@@ -59,10 +60,10 @@ def run_demo(args: argparse.Namespace) -> int:
         for i, speed in enumerate(speeds):
             results = _run_both(scenario, args, speed, redis_port, workdir, config)
             refused = [reason for r in results if (reason := refusal(r))]
-            lagged = [warning for r in results if (warning := lag_warning(r))]
-            if not (refused or lagged) or i == len(speeds) - 1:
+            machine_bound = [warning for r in results if (warning := machine_warning(r))]
+            if not (refused or machine_bound) or i == len(speeds) - 1:
                 break
-            print("\n".join(refused + lagged)
+            print("\n".join(refused + machine_bound)
                   + f"\nagain at {speeds[i + 1]:g}x, so that the routing, not the proxy or this machine, decides\n")
     except KeyboardInterrupt:
         print("interrupted: every process started by the demo has been stopped")
@@ -73,8 +74,8 @@ def run_demo(args: argparse.Namespace) -> int:
     shuffle, plugin = results
     if refused:
         print("\n".join(refused) + "\nso the figures below measured the proxies, not the routing: try --gateways 3")
-    if lagged:
-        print("\n".join(lagged) + "\nso the figures below measured this machine as much as the routing: try --speed 2")
+    if machine_bound:
+        print("\n".join(machine_bound) + "\nso the figures below measured this machine as much as the routing: try --speed 2")
     print(f"\nAt {speed:g}x: lora-affinity completed {plugin.completed} vs {shuffle.completed} requests and "
           f"{plugin.output_tokens_per_s / max(shuffle.output_tokens_per_s, 1e-9):.2f}x the output tokens/s of "
           "simple-shuffle on the same simulated GPUs.")

@@ -16,7 +16,7 @@ from .policies import STRATEGY_NAMES
 from .results import (
     Result,
     format_table,
-    lag_warning,
+    machine_warning,
     median_result,
     refusal,
     write_chart,
@@ -72,7 +72,7 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"chart written to {chart}")
     for reason in refused:
         print(f"refused: {reason}", file=sys.stderr)
-    for warning in filter(None, map(lag_warning, results)):
+    for warning in filter(None, map(machine_warning, results)):
         print(f"warning: {warning}", file=sys.stderr)
     return 1 if refused else 0
 

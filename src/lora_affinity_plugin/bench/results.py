@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .transport import SATURATED, SIM_LAGGED, TransportStats, load_label
+from .transport import MACHINE_SATURATED, SATURATED, SIM_LAGGED, TransportStats, load_label
 
 
 @dataclass
@@ -74,15 +74,22 @@ MAX_ERROR_SHARE = 0.01
 """A live row with more failed requests than this is not a result: the run, not the strategy, went wrong."""
 
 
-def lag_warning(result: Result) -> str | None:
-    """Why the machine, not only the routing, shaped `result`: its simulated replicas ran their steps late.
+def machine_warning(result: Result) -> str | None:
+    """Why this machine, not only the routing, shaped `result`: its cores were saturated, or the simulated
+    replicas ran their steps late. Every process then queued for CPU while the simulated clock ran on.
 
     A warning, not a refusal: both strategies of a run share the machine, and a busy CI machine lags a little."""
     load = TransportStats.from_dict(result.transport) if result.transport else None
-    if load is None or not load.sim_lagged:
+    if load is None:
         return None
-    return (f"{result.strategy}: the simulated replicas lost {load.sim_lag_share:.0%} of the run to steps this machine "
-            f"ran late (over {SIM_LAGGED:.0%}): the fleet was slower than modelled; run slower (--speed)")
+    if load.sim_lagged:
+        return (f"{result.strategy}: the simulated replicas lost {load.sim_lag_share:.0%} of the run to steps this "
+                f"machine ran late (over {SIM_LAGGED:.0%}): the fleet was slower than modelled; run slower (--speed)")
+    if load.machine_saturated:
+        return (f"{result.strategy}: this machine's cores were {load.machine_busy:.0%} busy over the run (over "
+                f"{MACHINE_SATURATED:.0%}): proxies, load generator and fleet queued for CPU while the simulated "
+                "clock ran on; run slower (--speed)")
+    return None
 
 
 def refusal(result: Result) -> str | None:

@@ -27,6 +27,9 @@ SATURATED = 0.85
 """A proxy worker busier than this share of a core over the measured window measures the proxy, not the routing."""
 SIM_LAGGED = 0.10
 """Simulated replicas that lost more than this share of the window to late steps measured this machine."""
+MACHINE_SATURATED = 0.90
+"""A machine whose cores were busier than this share of the window ran every process late: the proxies, the
+load generator and the simulated fleet queued for CPU, and a faster-than-real-time fleet waited on them."""
 
 
 def replica_counters(url: str) -> tuple[int, int, int, float]:
@@ -40,6 +43,13 @@ def replica_counters(url: str) -> tuple[int, int, int, float]:
 
     return (int(value("sim_connections_accepted_total")), int(value("sim_connections_idle_closed_total")),
             int(value("sim_requests_in_flight_peak")), value("sim_lag_seconds_total"))
+
+
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of all this machine's cores since boot (/proc/stat; idle and I/O wait are not busy)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - fields[3] - fields[4], total
 
 
 def cpu_seconds(pid: int) -> float:
@@ -108,6 +118,8 @@ class TransportStats:
     """Requests the proxies sustained over the measured window (wall clock, all proxies together)."""
     sim_lag_share: float = 0.0
     """The most lagging simulated replica's real seconds lost to late steps, as a share of the window."""
+    machine_busy: float = 0.0
+    """This machine's cores' busy share over the window (every process, the benchmark's own included)."""
 
     @property
     def saturated(self) -> bool:
@@ -117,6 +129,10 @@ class TransportStats:
     def sim_lagged(self) -> bool:
         """The machine could not run the simulated replicas at this speed: the fleet was slower than modelled."""
         return self.sim_lag_share > SIM_LAGGED
+
+    @property
+    def machine_saturated(self) -> bool:
+        return self.machine_busy > MACHINE_SATURATED
 
     @property
     def connections_per_1k(self) -> float:
@@ -145,6 +161,7 @@ class TransportProbe:
         self.replica_urls, self.proxy_pids, self.proxy_logs = replica_urls, proxy_pids, proxy_logs
         self._before = [replica_counters(u) for u in replica_urls]
         self._cpu_before = tree_cpu(proxy_pids)
+        self._machine_before = machine_cpu()
         self._serving = list(self._cpu_before)  # every process of every proxy (workers included)
         self._started = time.monotonic()
         self._unclosed_before = sum(_count(p, UNCLOSED) for p in proxy_logs)
@@ -165,6 +182,7 @@ class TransportProbe:
         self._thread.join()
         window = time.monotonic() - self._started
         cpu_after = tree_cpu(self.proxy_pids)
+        busy, total = (after - before for after, before in zip(machine_cpu(), self._machine_before))
         # A worker that started during the window counts from zero.
         per_process = [cpu_after[pid] - self._cpu_before.get(pid, 0.0) for pid in cpu_after]
         cpu = sum(per_process)
@@ -183,6 +201,7 @@ class TransportProbe:
             proxy_requests_per_s=round(requests / window, 2) if window > 0 and self.proxy_pids else 0.0,
             sim_lag_share=round(max((a[3] - b[3] for a, b in zip(after, self._before)), default=0.0) / window, 3)
             if window > 0 else 0.0,
+            machine_busy=round(busy / total, 3) if total > 0 else 0.0,
         )
 
 
@@ -196,13 +215,13 @@ def _count(path: Path, needle: str) -> int:
 def format_transport_table(rows: list[tuple[str, TransportStats]]) -> str:
     head = (f"{'strategy':<26}{'conns/1k req':>13}{'conns per pod':>15}{'peak in flight':>16}{'idle-closed':>13}"
             f"{'pooled':>8}"
-            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}{'busiest worker':>16}{'sim lag':>9}")
+            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}{'busiest worker':>16}{'sim lag':>9}{'machine':>9}")
     lines = [head, "-" * len(head)]
     for name, t in rows:
         sockets = f"{t.proxy_sockets.get('median', 0)}/{t.proxy_sockets.get('max', 0)}" if t.proxy_sockets else "-"
         lines.append(f"{name:<26}{t.connections_per_1k:>13.0f}{_span(t.connections):>15}{_span(t.peak_in_flight):>16}"
                      f"{_span(t.idle_closed):>13}{'yes' if t.pooled else 'no':>8}{sockets:>23}{t.unclosed_sessions:>10}"
-                     f"{t.proxy_cpu_ms_per_request:>12.2f}{load_label(t):>16}{t.sim_lag_share:>9.0%}")
+                     f"{t.proxy_cpu_ms_per_request:>12.2f}{load_label(t):>16}{t.sim_lag_share:>9.0%}{t.machine_busy:>9.0%}")
     return "\n".join(lines)
 
 
