@@ -75,7 +75,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if refused:
         print("\n".join(refused) + "\nso the figures below measured the proxies, not the routing: try --gateways 3")
     if machine_bound:
-        print("\n".join(machine_bound) + "\nso the figures below measured this machine as much as the routing: try --speed 2")
+        print("\n".join(machine_bound)
+              + "\nso the figures below measured this machine as much as the routing: try --speed 2")
     print(f"\nAt {speed:g}x: lora-affinity completed {plugin.completed} vs {shuffle.completed} requests and "
           f"{plugin.output_tokens_per_s / max(shuffle.output_tokens_per_s, 1e-9):.2f}x the output tokens/s of "
           "simple-shuffle on the same simulated GPUs.")

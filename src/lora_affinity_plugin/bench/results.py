@@ -74,12 +74,17 @@ MAX_ERROR_SHARE = 0.01
 """A live row with more failed requests than this is not a result: the run, not the strategy, went wrong."""
 
 
+def _transport(result: Result) -> TransportStats | None:
+    """A live row's measured load; None for a fast-mode row."""
+    return TransportStats.from_dict(result.transport) if result.transport else None
+
+
 def machine_warning(result: Result) -> str | None:
     """Why this machine, not only the routing, shaped `result`: its cores were saturated, or the simulated
     replicas ran their steps late. Every process then queued for CPU while the simulated clock ran on.
 
     A warning, not a refusal: both strategies of a run share the machine, and a busy CI machine lags a little."""
-    load = TransportStats.from_dict(result.transport) if result.transport else None
+    load = _transport(result)
     if load is None:
         return None
     if load.sim_lagged:
@@ -94,7 +99,7 @@ def machine_warning(result: Result) -> str | None:
 
 def refusal(result: Result) -> str | None:
     """Why `result` must not be published, or None when it may: too many errors, or a saturated proxy."""
-    load = TransportStats.from_dict(result.transport) if result.transport else None
+    load = _transport(result)
     if load is not None and load.saturated:
         return (f"{result.strategy}: its busiest proxy worker used {load.proxy_busiest_worker:.0%} of a core over the "
                 f"measured window (over {SATURATED:.0%}), so the proxy's own queue, not the routing, decided this "

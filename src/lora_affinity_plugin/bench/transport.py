@@ -215,13 +215,15 @@ def _count(path: Path, needle: str) -> int:
 def format_transport_table(rows: list[tuple[str, TransportStats]]) -> str:
     head = (f"{'strategy':<26}{'conns/1k req':>13}{'conns per pod':>15}{'peak in flight':>16}{'idle-closed':>13}"
             f"{'pooled':>8}"
-            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}{'busiest worker':>16}{'sim lag':>9}{'machine':>9}")
+            f"{'proxy sockets med/max':>23}{'unclosed':>10}{'CPU ms/req':>12}{'busiest worker':>16}"
+            f"{'sim lag':>9}{'machine':>9}")
     lines = [head, "-" * len(head)]
     for name, t in rows:
         sockets = f"{t.proxy_sockets.get('median', 0)}/{t.proxy_sockets.get('max', 0)}" if t.proxy_sockets else "-"
         lines.append(f"{name:<26}{t.connections_per_1k:>13.0f}{_span(t.connections):>15}{_span(t.peak_in_flight):>16}"
                      f"{_span(t.idle_closed):>13}{'yes' if t.pooled else 'no':>8}{sockets:>23}{t.unclosed_sessions:>10}"
-                     f"{t.proxy_cpu_ms_per_request:>12.2f}{load_label(t):>16}{t.sim_lag_share:>9.0%}{t.machine_busy:>9.0%}")
+                     f"{t.proxy_cpu_ms_per_request:>12.2f}{load_label(t):>16}"
+                     f"{t.sim_lag_share:>9.0%}{t.machine_busy:>9.0%}")
     return "\n".join(lines)
 
 
