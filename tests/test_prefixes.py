@@ -443,3 +443,25 @@ def test_when_every_adapter_fits_a_dealt_pod_holding_other_apps_prompts_is_passe
     assert choose_pod(pods, scarce, S, random.Random(1)).pod == "a"
     short = replace(fits, prefix_blocks=0)  # a short prompt leaves no cache to weigh: the deal stands
     assert choose_pod(pods, short, S, random.Random(1)).pod == "a"
+
+
+def test_an_unseen_long_prompt_goes_to_a_holder_of_its_adapter_that_admits_it_at_once():
+    """The load band alone counts a queue of 6 behind a full cache like 6 running requests: it chose `a`
+    (load 12) over `b` (load 13, no queue, room in its cache), and the prompt waited behind that queue
+    (mixed-hetero: 30-40 s on a half-speed pod whose cache a hot adapter's 8 KB texts had filled)."""
+    queued = replace(pod("a", waiting=6, running=6, adapters={"sql"}), kv_free_tokens=400)
+    roomy = replace(pod("b", running=13, adapters={"sql"}), kv_free_tokens=5000)
+    full = pod("c", adapters={"t1", "t2", "t3", "t4"})  # no slot for the adapter
+    unseen = RouteRequest("sql", prefix_blocks=31, placement_key=7)
+    decision = choose_pod([queued, roomy, full], unseen, S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("b", "affinity")
+    off = build_settings({"disabled_rules": ["admits_now"]}, environ={})
+    assert choose_pod([queued, roomy, full], unseen, off, random.Random(1)).pod == "a"  # the band alone
+    # Its prefix held on the queued pod, not far busier than the least loaded: the prefix rules judge that
+    # queue (the prefill saved), not this rule. (Beside the idle `c`, `a` is far busier: the prompt is new.)
+    held = RouteRequest("sql", prefix_blocks=31, prefix_matches={"a": 31}, placement_key=7)
+    assert choose_pod([queued, roomy], held, S, random.Random(1)).pod == "a"
+    assert choose_pod([queued, roomy, full], held, S, random.Random(1)).pod == "b"
+    # Nobody admits it at once (both queued): the rule passes its input on, and the load band decides.
+    both = [queued, replace(roomy, waiting=2, reported_waiting=2), full]
+    assert choose_pod(both, unseen, S, random.Random(1)).pod == "a"

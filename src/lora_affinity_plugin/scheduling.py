@@ -294,8 +294,10 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
        the adapter starts there (`_starts_sooner_elsewhere`). Else a pod that can take the adapter
        without starving a batch (dealt to it among peers, resident, a free slot, fewest adapters). vLLM's `--max-loras` skip rule makes a wrong adapter placement cost
        whole generations; a prefill costs tens to hundreds of ms.
-    3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes to the fastest
-       of them (all of it is computed) and there where the caches hold least (it will stay where it lands).
+    3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes to one that admits
+       it at the next step (no queue at its scrape, room in its cache for all of it) when any does, since
+       the load band alone weighs a queue of 6 behind a full cache like 6 running requests, then to the
+       fastest (all of it is computed) and there where the caches hold least (it will stay where it lands).
        An unseen prompt that opens with the app's own instructions (`instructions_blocks`, at least
        `prefix_min_blocks`) is placed for the cache before the adapter (`_place_instructions`): every
        later request of that app matches it and follows it to its pod, so stacking an adapter's apps on
@@ -338,6 +340,9 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
             return _cheapest(pods, request, settings, run, "affinity")
         # The prefix then chooses within the band; a pod holding a longer match than any in it stays eligible
         # (the prefix rules' own queue margin judges it).
+        if not warm:  # an unseen prompt: a pod running the adapter that admits it at the next step, if any does
+            tokens = request.prefix_blocks * settings.prefix_block_chars / settings.prefix_chars_per_token
+            pods = run.apply("admits_now", pods, [p for p in pods if _admits_now(p, tokens)])
         pods = run.apply("least_load", pods, _with_longest_match(pods, _least_load(pods, run.width), request, settings))
         return _by_prefix(pods, request, settings, run, "affinity")
 

@@ -29,7 +29,7 @@ ENV_PREFIX = "LORA_AFFINITY_"
 RuleSet = Literal["lora-affinity", "lora-affinity-v1", "gie-v0.2", "llmd-prefix", "sglang-cache-aware"]
 RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_lora", "least_kv", "least_load",
                    "adapter_active", "resident", "free_slot", "fewest_adapters", "prefix_match",
-                   "fewest_prefixes", "roomy", "dealt", "least_cost", "fastest"]
+                   "fewest_prefixes", "roomy", "dealt", "least_cost", "fastest", "admits_now"]
 # Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
 GROUP_SETTINGS = ("queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
                   "rule_set", "spill_queue_margin", "cost_band_ms", "cost_band_ratio", "band_width", "disabled_rules", "shedding",
