@@ -338,11 +338,11 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         pods = run.apply("adapter_active", pods, roomy)
         if not long_prompt:
             return _cheapest(pods, request, settings, run, "affinity")
+        if not warm:  # an unseen prompt: a pod running the adapter that admits it at the next step, if any does
+            tokens = request.prefix_blocks * _tokens_per_block(settings)
+            pods = run.apply("admits_now", pods, [p for p in pods if _admits_now(p, tokens)])
         # The prefix then chooses within the band; a pod holding a longer match than any in it stays eligible
         # (the prefix rules' own queue margin judges it).
-        if not warm:  # an unseen prompt: a pod running the adapter that admits it at the next step, if any does
-            tokens = request.prefix_blocks * settings.prefix_block_chars / settings.prefix_chars_per_token
-            pods = run.apply("admits_now", pods, [p for p in pods if _admits_now(p, tokens)])
         pods = run.apply("least_load", pods, _with_longest_match(pods, _least_load(pods, run.width), request, settings))
         return _by_prefix(pods, request, settings, run, "affinity")
 
@@ -392,7 +392,7 @@ def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], requ
     after taking the adapter can, and it costs clearly less there, the adapter's load and the harm to that
     pod's batch included. In a saturated fleet no pod admits it at once, and the adapter stays with its
     holders; it is the long unseen prompts of an adapter's tail that this moves off a full pod."""
-    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    tokens_per_block = _tokens_per_block(settings)
     matches = request.prefix_matches
 
     def uncached(p: Candidate) -> float:
@@ -414,6 +414,11 @@ def _starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], requ
                for p in roomy)
     move = min(_cost_s(p, request, settings, best_match) for p in others)
     return move < min(stay - settings.cost_band_ms / 1000, stay / (1 + settings.cost_band_ratio))
+
+
+def _tokens_per_block(settings: Settings) -> float:
+    """About how many model tokens one prefix block of text holds (the index counts blocks, the cost tokens)."""
+    return settings.prefix_block_chars / settings.prefix_chars_per_token
 
 
 def _admits_now(p: Candidate, tokens: float) -> bool:
@@ -552,7 +557,7 @@ def _least_cost(pods: list[Candidate], request: RouteRequest, settings: Settings
 
 
 def _cost_s(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> float:
-    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    tokens_per_block = _tokens_per_block(settings)
     held = request.prefix_matches.get(p.key, 0)
     return sum(cost_terms(waiting=p.waiting, queued=min(p.reported_waiting, p.waiting), running=p.running,
                           rates=p.rates, uncached_tokens=(request.prefix_blocks - held) * tokens_per_block,
@@ -562,7 +567,7 @@ def _cost_s(p: Candidate, request: RouteRequest, settings: Settings, best_match:
 
 def cost_parts(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> CostParts:
     """The estimate for one candidate, part by part (for `explain`): the same terms `_cost_s` sums."""
-    tokens_per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    tokens_per_block = _tokens_per_block(settings)
     held = request.prefix_matches.get(p.key, 0)
     return estimate(waiting=p.waiting, queued=min(p.reported_waiting, p.waiting), running=p.running,
                     rates=p.rates, uncached_tokens=(request.prefix_blocks - held) * tokens_per_block,
