@@ -192,3 +192,26 @@ async def test_a_replica_counts_the_time_its_steps_ran_late():
     assert 0.4 < replica.lag_s - on_time < 1.5  # 0.5 s, less the 50 ms a late step may catch up
     lag = float(re.search(r"^sim_lag_seconds_total (\S+)", render_metrics(replica, config.base_model), re.M).group(1))
     assert lag == pytest.approx(replica.lag_s, abs=0.001)
+
+
+def test_the_live_bench_starts_a_scenarios_replica_profiles(tmp_path):
+    """The live bench once started every scenario's replicas alike: `mixed-hetero` ran on equal replicas live
+    while fast mode slowed half of them. Its sim, started with the bench's own arguments, runs them as profiled."""
+    from lora_affinity_plugin.bench.live import sim_arguments
+    from lora_affinity_plugin.bench.scenarios import get_scenario
+
+    scenario = get_scenario("mixed-hetero")
+    base = free_port_range(scenario.replicas)
+    args = sim_arguments(scenario, base, 20.0, 1, "legacy")
+    proc = Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", *args], tmp_path)
+    try:
+        steps = []
+        for port in (base, base + 1):  # profiles speed=1;speed=0.5, dealt in turn
+            wait_port(port)
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").completions.create(
+                model="adapter-00", prompt="Is the Necronomicon in the movie?", max_tokens=20)
+            counters = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics").text).counters
+            steps.append(counters.itl_sum / counters.itl_count)
+        assert 1.6 < steps[1] / steps[0] < 2.5, steps  # the second replica's decode steps take twice as long
+    finally:
+        proc.stop()

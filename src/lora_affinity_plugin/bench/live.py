@@ -113,11 +113,7 @@ class Fleet:
     def _start(self) -> None:
         s = self.scenario
         self.base_port = free_port_range(s.replicas)
-        sim_args = ["sim", "--replicas", str(s.replicas), "--base-port", str(self.base_port), "--speed", str(self.speed),
-                    "--seed", str(self.seed), "--max-loras", str(s.max_loras), "--max-cpu-loras", str(s.max_cpu_loras)]
-        if s.warm:
-            sim_args += ["--warm-adapters", ",".join(s.adapters)]
-        sim_args += ["--lora-info-style", self.lora_info_style, "--mean-output-tokens", str(s.mean_output_tokens)]
+        sim_args = sim_arguments(s, self.base_port, self.speed, self.seed, self.lora_info_style)
         self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli", *sim_args],
                                self.workdir))
         for i in range(s.replicas):
@@ -191,6 +187,18 @@ class Fleet:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+
+
+def sim_arguments(s: Scenario, base_port: int, speed: float, seed: int, lora_info_style: str) -> list[str]:
+    """`lora-affinity sim` for a scenario's fleet: its replicas, LoRA slots and replica profiles (speeds, sizes),
+    dealt to the replicas in turn, as fast mode deals them (`fast.make_engines`)."""
+    args = ["sim", "--replicas", str(s.replicas), "--base-port", str(base_port), "--speed", str(speed),
+            "--seed", str(seed), "--max-loras", str(s.max_loras), "--max-cpu-loras", str(s.max_cpu_loras)]
+    if s.warm:
+        args += ["--warm-adapters", ",".join(s.adapters)]
+    if s.profiles:
+        args += ["--replica-profiles", s.profiles]
+    return args + ["--lora-info-style", lora_info_style, "--mean-output-tokens", str(s.mean_output_tokens)]
 
 
 def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
