@@ -445,6 +445,19 @@ def test_when_every_adapter_fits_a_dealt_pod_holding_other_apps_prompts_is_passe
     assert choose_pod(pods, short, S, random.Random(1)).pod == "a"
 
 
+def test_of_the_holders_that_admit_an_unseen_long_prompt_at_once_the_fastest_takes_it():
+    """All of an unseen prompt is computed, and a half-speed pod doubles that prefill: an 8 KB text on one missed
+    1 s every time (mixed-hetero). The load band alone chose the less loaded half-speed holder."""
+    slow = replace(pod("slow", running=2, adapters={"sql"}), kv_free_tokens=5000, slowness=2.0)
+    fast = replace(pod("fast", running=9, adapters={"sql"}), kv_free_tokens=5000)
+    unseen = RouteRequest("sql", prefix_blocks=31, placement_key=7)
+    assert choose_pod([slow, fast], unseen, S, random.Random(1)).pod == "fast"
+    # The fast holder has a queue: of the pods that admit it at once, the slow one is the fastest.
+    assert choose_pod([slow, replace(fast, waiting=3, reported_waiting=3)], unseen, S, random.Random(1)).pod == "slow"
+    # A short prompt keeps the load band: its prefill is a step either way.
+    assert choose_pod([slow, fast], RouteRequest("sql", placement_key=7), S, random.Random(1)).pod == "slow"
+
+
 def test_an_unseen_long_prompt_goes_to_a_holder_of_its_adapter_that_admits_it_at_once():
     """The load band alone counts a queue of 6 behind a full cache like 6 running requests: it chose `a`
     (load 12) over `b` (load 13, no queue, room in its cache), and the prompt waited behind that queue

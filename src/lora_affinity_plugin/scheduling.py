@@ -295,9 +295,10 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
        without starving a batch (dealt to it among peers, resident, a free slot, fewest adapters). vLLM's `--max-loras` skip rule makes a wrong adapter placement cost
        whole generations; a prefill costs tens to hundreds of ms.
     3. Among those, the longest cached prefix of the prompt; an unseen long prompt goes to one that admits
-       it at the next step (no queue at its scrape, room in its cache for all of it) when any does, since
-       the load band alone weighs a queue of 6 behind a full cache like 6 running requests, then to the
-       fastest (all of it is computed) and there where the caches hold least (it will stay where it lands).
+       it at the next step (no queue at its scrape, room in its cache for all of it) when any does, the
+       fastest of those (all of it is computed: a half-speed pod doubles its prefill), since the load band
+       alone weighs a queue of 6 behind a full cache like 6 running requests; then to the fastest and
+       there where the caches hold least (it will stay where it lands).
        An unseen prompt that opens with the app's own instructions (`instructions_blocks`, at least
        `prefix_min_blocks`) is placed for the cache before the adapter (`_place_instructions`): every
        later request of that app matches it and follows it to its pod, so stacking an adapter's apps on
@@ -338,9 +339,9 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         pods = run.apply("adapter_active", pods, roomy)
         if not long_prompt:
             return _cheapest(pods, request, settings, run, "affinity")
-        if not warm:  # an unseen prompt: a pod running the adapter that admits it at the next step, if any does
+        if not warm:  # an unseen prompt: the fastest of the pods running the adapter that admit it at the next step
             tokens = request.prefix_blocks * _tokens_per_block(settings)
-            pods = run.apply("admits_now", pods, [p for p in pods if _admits_now(p, tokens)])
+            pods = run.apply("admits_now", pods, _fastest([p for p in pods if _admits_now(p, tokens)]))
         # The prefix then chooses within the band; a pod holding a longer match than any in it stays eligible
         # (the prefix rules' own queue margin judges it).
         pods = run.apply("least_load", pods, _with_longest_match(pods, _least_load(pods, run.width), request, settings))
@@ -591,9 +592,16 @@ def _unseen_prefix_filters(pods: list[Candidate], request: RouteRequest, setting
     """A prompt no pod holds: the pods not far busier, the fastest of them (all of it is computed), and of
     those the ones whose caches hold least (it stays where it lands)."""
     pods = run.apply("roomy", pods, _not_far_busier(pods, settings))
-    fastest = min(p.slowness for p in pods)  # the whole prompt is computed: speed before cache room
-    pods = run.apply("fastest", pods, [p for p in pods if p.slowness == fastest])
+    pods = run.apply("fastest", pods, _fastest(pods))  # the whole prompt is computed: speed before cache room
     return run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
+
+
+def _fastest(pods: list[Candidate]) -> list[Candidate]:
+    """The pods of the least `slowness` (all of them in a fleet of equals: slowness is 1.0 within the noise)."""
+    if not pods:
+        return pods
+    fastest = min(p.slowness for p in pods)
+    return [p for p in pods if p.slowness == fastest]
 
 
 def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str,
