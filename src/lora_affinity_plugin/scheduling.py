@@ -51,9 +51,12 @@ class PodMetrics:
     """Histogram sums and counts, token counters: the scraper learns the pod's rates from their deltas."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
-    """A pod as the rules see it: scraped metrics plus what this gateway sent since the scrape."""
+    """A pod as the rules see it: scraped metrics plus what this gateway sent since the scrape.
+
+    Read-only by convention, not frozen: a frozen dataclass sets each field through `object.__setattr__`, which
+    made building one 2 µs slower, and a request builds one or two (`with_dispatches`)."""
 
     key: str
     waiting: int
@@ -74,7 +77,7 @@ class Candidate:
     """waiting + running (a field, not a property: the rules read it for every pod at every step)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "load", self.waiting + self.running)
+        self.load = self.waiting + self.running
 
     def with_dispatches(self, queued: int, adapters: set[str]) -> Candidate:
         """This pod with `queued` more waiting requests and their `adapters` active (a view of the pod after
@@ -92,8 +95,11 @@ class Candidate:
         return not self.max_lora or len(self.active_adapters) < self.max_lora
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteRequest:
+    """One request as the rules see it (`FleetView.route_request`). Read-only by convention, not frozen: one is built
+    for every request, and frozen would cost 2 µs more (see `Candidate`)."""
+
     adapter: str | None
     """None for a base-model request: the LoRA rules are skipped."""
     sheddable: bool = False
@@ -254,7 +260,8 @@ def _sheddable_capacity(pods: list[Candidate], settings: Settings, run: _Run) ->
 
 
 def _gie_v02(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
-    low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
+    threshold = settings.queueing_threshold_lora  # (read once: a settings attribute costs more than the test)
+    low_queue = [p for p in pods if p.waiting < threshold]
     if low_queue:
         pods = run.apply("low_queue", pods, low_queue)
         if request.adapter is not None:
@@ -314,7 +321,8 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
     if run.trace is not None:  # explaining: every candidate's estimate, whichever rule decides
         best_match = max(request.prefix_matches.values(), default=0)
         run.costs = {p.key: cost_parts(p, request, settings, best_match) for p in run.considered}
-    low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
+    threshold = settings.queueing_threshold_lora  # (read once: a settings attribute costs more than the test)
+    low_queue = [p for p in pods if p.waiting < threshold]
     pods = run.apply("low_queue", pods, low_queue)
     long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
     if request.adapter is None:
@@ -325,10 +333,11 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
             return _by_prefix(pods, request, settings, run, "base_model", warm)
         return _cheapest(pods, request, settings, run, "base_model")
 
-    warm = _warm(pods, request, settings) if long_prompt else []
+    fleet_min = min([p.load for p in pods])
+    warm = _warm(pods, request, settings, fleet_min) if long_prompt else []
     if long_prompt and not warm and request.instructions_blocks >= settings.prefix_min_blocks:
         return _place_instructions(pods, request, settings, run)
-    holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings, by_speed=True)
+    holders, roomy = _adapter_holders(pods, request.adapter, settings, fleet_min, by_speed=True)
     if long_prompt:
         roomy += _warm_for_adapter(warm, holders, roomy, fleet_min, settings)
     if roomy and _starts_sooner_elsewhere(pods, roomy, request, settings):
@@ -377,7 +386,7 @@ def _with_longest_match(pods: list[Candidate], banded: list[Candidate], request:
     (a chat's history is on one pod: a load band must not send its next turn to recompute it elsewhere), unless
     slower than the band's fastest."""
     matches = request.prefix_matches
-    if not matches:
+    if not matches or max(matches.values()) < settings.prefix_min_blocks:  # (no match long enough anywhere)
         return banded
     best = max(matches.get(p.key, 0) for p in pods)
     if best < settings.prefix_min_blocks or any(matches.get(p.key, 0) == best for p in banded):
@@ -428,18 +437,17 @@ def _admits_now(p: Candidate, tokens: float) -> bool:
     return p.reported_waiting == 0 and (p.kv_free_tokens is None or p.kv_free_tokens >= tokens)
 
 
-def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, by_speed: bool = False
-                     ) -> tuple[list[Candidate], list[Candidate], int]:
-    """Pods running `adapter`, those of them within spill_queue_margin of the least loaded pod, and that load.
+def _adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, fleet_min: int, by_speed: bool = False
+                     ) -> tuple[list[Candidate], list[Candidate]]:
+    """Pods running `adapter`, and those of them within spill_queue_margin of `fleet_min`, the least load of `pods`.
 
     `by_speed`: a pod's load counts at its `slowness`, so a pod running at half speed, which carries each
     request twice as long, spills its adapters at half the load."""
-    fleet_min = min([p.load for p in pods])
     holders = [p for p in pods if adapter in p.active_adapters]
     edge = fleet_min + settings.spill_queue_margin
     if by_speed:
-        return holders, [p for p in holders if p.load * p.slowness <= edge], fleet_min
-    return holders, [p for p in holders if p.load <= edge], fleet_min
+        return holders, [p for p in holders if p.load * p.slowness <= edge]
+    return holders, [p for p in holders if p.load <= edge]
 
 
 def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: RouteRequest, settings: Settings,
@@ -497,6 +505,8 @@ def _warm_for_adapter(warm: list[Candidate], holders: list[Candidate], roomy: li
     a holder up to `prefix_queue_margin` beyond the spill margin (the saved prefill is worth that much
     queue, no more: a hot adapter must still spread), and a pod not running the adapter that has a free
     slot (loading an adapter takes milliseconds, a prefill of the prefix hundreds)."""
+    if not warm:
+        return []
     edge = fleet_min + settings.spill_queue_margin + settings.prefix_queue_margin
     roomy_keys, holder_keys = {p.key for p in roomy}, {p.key for p in holders}  # (keys: comparing candidates is slow)
     extra = []
@@ -618,7 +628,8 @@ def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings,
 def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
     """The previous default (kept as the `lora-affinity-v1` reference): a long prompt went through the prefix
     rules before any adapter rule, so an unseen long prompt was placed by index size, not by its adapter."""
-    low_queue = [p for p in pods if p.waiting < settings.queueing_threshold_lora]
+    threshold = settings.queueing_threshold_lora  # (read once: a settings attribute costs more than the test)
+    low_queue = [p for p in pods if p.waiting < threshold]
     pods = run.apply("low_queue", pods, low_queue)
     long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
     if long_prompt:
@@ -632,20 +643,21 @@ def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Se
     if request.adapter is None:
         return _least(pods, run, "base_model")
 
-    holders, roomy, fleet_min = _adapter_holders(pods, request.adapter, settings)
+    holders, roomy = _adapter_holders(pods, request.adapter, settings, min([p.load for p in pods]))
     if roomy:
         return _least(run.apply("adapter_active", pods, roomy), run, "affinity")
 
     return _place_adapter(pods, holders, request, settings, run, by_prefix=False)
 
 
-def _not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candidate] | None = None
-                    ) -> list[Candidate]:
+def _not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candidate] | None = None,
+                    least: int | None = None) -> list[Candidate]:
     """Pods (of `among`, default all) not far busier than `pods`' least busy: a pod is far busier when it reported
     a queue longer than the shortest by more than one request (a request just sent, or one waiting for the next
     step, is not a queue) and its load is beyond both `prefix_queue_margin` above the least and
-    `prefix_queue_ratio` times it."""
-    least = min([p.load for p in pods])
+    `prefix_queue_ratio` times it. `least`: `pods`' least load, when the caller has it."""
+    if least is None:
+        least = min([p.load for p in pods])
     edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
     queue_edge = min([p.reported_waiting for p in pods]) + 1  # one waiting request is the next step's admission
     return [p for p in (pods if among is None else among) if p.load <= edge or p.reported_waiting <= queue_edge]
@@ -670,7 +682,8 @@ def _fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float)
     return [p for p, size in zip(pods, sizes) if size <= edge]
 
 
-def _warm(pods: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
+def _warm(pods: list[Candidate], request: RouteRequest, settings: Settings, least: int | None = None
+          ) -> list[Candidate]:
     """Pods holding the longest prefix among those not far busier than the least busy one (`_not_far_busier`).
 
     Reuse saves the matched tokens' prefill and keeps one copy of the prefix in the fleet; a queue
@@ -679,12 +692,12 @@ def _warm(pods: list[Candidate], request: RouteRequest, settings: Settings) -> l
     the prompt is placed as new). (The holders are few: the load test runs on them alone.)
     """
     matches = request.prefix_matches
-    if not matches:
+    if not matches or max(matches.values()) < settings.prefix_min_blocks:  # (no match long enough anywhere)
         return []
     holders = [p for p in pods if p.key in matches]
     if not holders:
         return []
-    held = [(matches[p.key], p) for p in _not_far_busier(pods, settings, among=holders)]
+    held = [(matches[p.key], p) for p in _not_far_busier(pods, settings, among=holders, least=least)]
     best = max((n for n, _ in held), default=0)
     if best < settings.prefix_min_blocks:
         return []
