@@ -106,17 +106,30 @@ def test_a_hostile_body_gets_what_the_proxy_without_the_plugin_gives(proxies, na
 
 def test_the_plugin_never_failed_and_every_decision_stayed_bounded(proxies):
     before = plugin_counter(proxies["with"], "lora_affinity_decisions_total")
-    with httpx.Client(timeout=120) as client:  # the biggest bodies once more, so this test stands alone
-        for name in ("10 MB prompt", "10,000 messages", "lone surrogate"):
-            post(client, proxies["with"], HOSTILE[name])
+    # The biggest bodies once more, so this test stands alone. Each of their decisions takes at most 5 ms of the
+    # plugin's own time (rendering and hashing all of a 10 MB prompt would take 25-45 ms here). The histogram is
+    # wall time, so a round in which the proxy was descheduled on a busy machine (CI: two cores, two pytest
+    # workers and their proxies) is sent again, up to three rounds: unbounded work fails every round.
+    rounds = []
+    with httpx.Client(timeout=120) as client:
+        for _ in range(3):
+            start = _decision_buckets(proxies["with"])
+            for name in ("10 MB prompt", "10,000 messages", "lone surrogate"):
+                post(client, proxies["with"], HOSTILE[name])
+            end = _decision_buckets(proxies["with"])
+            within, total = end["0.005"] - start["0.005"], end["+Inf"] - start["+Inf"]
+            rounds.append((within, total))
+            if within == total:
+                break
     assert plugin_counter(proxies["with"], "lora_affinity_decisions_total") >= before + 1  # the 10 MB one was routed
     assert plugin_counter(proxies["with"], 'lora_affinity_fallbacks_total') == 0  # no plugin error, ever
-    # Every decision, 10 MB prompts and 10,000 messages included, took at most a few ms of the plugin's own time.
-    page = httpx.get(proxies["with"] + "/metrics", headers={"Authorization": f"Bearer {MASTER_KEY}"},
-                     follow_redirects=True).text
-    buckets = dict(re.findall(r'^lora_affinity_decision_seconds_bucket\{le="([^"]+)"\} (\S+)', page, re.M))
-    total = float(re.search(r"^lora_affinity_decision_seconds_count (\S+)", page, re.M).group(1))
-    assert float(buckets["0.005"]) == total > 0, buckets
+    assert rounds[-1][1] > 0 and rounds[-1][0] == rounds[-1][1], rounds
+
+
+def _decision_buckets(base: str) -> dict[str, float]:
+    page = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {MASTER_KEY}"}, follow_redirects=True).text
+    return {le: float(n) for le, n in
+            re.findall(r'^lora_affinity_decision_seconds_bucket\{le="([^"]+)"\} (\S+)', page, re.M)}
 
 
 def test_a_10mb_prompt_does_not_delay_concurrent_small_requests(proxies):
