@@ -13,8 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
-from collections import OrderedDict
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Collection, Iterator, Mapping, Sequence
 
 DEFAULT_CAPACITY = 4096
@@ -29,8 +28,11 @@ MAX_CAPACITY = 1 << 20
 class PrefixIndex:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._pods: dict[str, OrderedDict[int, float]] = {}
-        """pod -> block hash -> last use (unix s), least recently used first."""
+        self._pods: dict[str, dict[int, float]] = {}
+        """pod -> block hash -> last use (unix s), least recently used first. Plain dicts, kept in that order by
+        deleting and re-inserting a block that moves: an `OrderedDict` spends a third more memory a block, and when
+        a new chain replaced an old one it rebuilt its table now and then on the request path (up to 130 us for a
+        pod's 1,750 blocks, against 40 for a dict: a new chain's p99)."""
         self._holders: dict[int, str | set[str]] = {}
         """Chain head -> the pod holding it, or a set when several do (one pod is the common case: no set).
         Only heads (and a peer's shared blocks, whose heads are not marked): a match starts at a prompt's
@@ -94,14 +96,14 @@ class PrefixIndex:
             lru = self._lru(pod)
             self._enter(pod, lru, self._refresh(lru, hashes, at, chain=False))
 
-    def _lru(self, pod: str) -> OrderedDict[int, float]:
+    def _lru(self, pod: str) -> dict[int, float]:
         lru = self._pods.get(pod)
         if lru is None:
-            lru = self._pods[pod] = OrderedDict()
+            lru = self._pods[pod] = {}
         return lru
 
     @staticmethod
-    def _refresh(lru: OrderedDict[int, float], hashes: Sequence[int], at: float, chain: bool) -> list[int]:
+    def _refresh(lru: dict[int, float], hashes: Sequence[int], at: float, chain: bool) -> list[int]:
         """Moves held blocks to the recent end, appends the others; returns those (not yet in `_holders`)."""
         entered = []
         for h in reversed(hashes):  # a chain's head ends most recent: evicted last, as vLLM frees the tail first
@@ -111,11 +113,11 @@ class PrefixIndex:
             elif chain and at - held < REFRESH_S:
                 break  # this block came with its whole chain moments ago: the blocks before it are as recent
             else:
-                lru.move_to_end(h)
+                del lru[h]  # to the recent end
             lru[h] = at
         return entered
 
-    def _enter(self, pod: str, lru: OrderedDict[int, float], heads: Sequence[int]) -> None:
+    def _enter(self, pod: str, lru: dict[int, float], heads: Sequence[int]) -> None:
         """Marks `heads` as held by `pod` and evicts beyond its capacity."""
         holders = self._holders
         get = holders.get
@@ -130,9 +132,8 @@ class PrefixIndex:
                 holding.add(pod)
         over = len(lru) - self._capacity.get(pod, DEFAULT_CAPACITY)
         if over > 0:
-            popitem = lru.popitem
-            for _ in range(over):
-                h = popitem(last=False)[0]
+            for h in list(islice(lru, over)):  # the least recently used (one pass from the front, not one per block)
+                del lru[h]
                 if h in holders:  # a head (most blocks are not)
                     self._drop(pod, h)
 
@@ -145,13 +146,15 @@ class PrefixIndex:
         horizon = now - self.ttl_s
         dropped = 0
         for pod, lru in self._pods.items():
-            while lru:
-                h, at = next(iter(lru.items()))
+            old = []
+            for h, at in lru.items():  # least recently used first: stop at the first one in use
                 if at > horizon:
                     break
+                old.append(h)
+            for h in old:
                 del lru[h]
                 self._drop(pod, h)
-                dropped += 1
+            dropped += len(old)
         return dropped
 
     def take_outbox(self, limit: int) -> list[tuple[str, float, list[int]]]:
@@ -199,7 +202,7 @@ class PrefixIndex:
 class _Sizes(Mapping[str, int]):
     __slots__ = ("_pods",)
 
-    def __init__(self, pods: dict[str, OrderedDict[int, float]]) -> None:
+    def __init__(self, pods: dict[str, dict[int, float]]) -> None:
         self._pods = pods
 
     def __getitem__(self, pod: str) -> int:
