@@ -6,7 +6,7 @@ This loop uses only what every version has (`LoraAffinityStrategy.pick`, `FleetV
 prompts each with its own question, new strings for every request (as a proxy parsing JSON has), the records
 renewed every 200 decisions. `side_by_side.sh` runs it for several commits in turn, in one sitting.
 
-    PYTHONPATH=<checkout>/src python bench-tools/decision_own_part.py   # prints "median / p99" in us
+    PYTHONPATH=<checkout>/src python bench-tools/decision_own_part.py [DECISIONS]   # "median / p99" in us
 """
 
 from __future__ import annotations
@@ -92,4 +92,6 @@ def main(decisions: int = 10_000, warmup: int = 2_000, seed: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(*(int(arg) for arg in sys.argv[1:2]))

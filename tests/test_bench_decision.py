@@ -29,3 +29,30 @@ def test_a_replica_at_half_speed_gets_less_within_30_seconds():
     before, first_30_s, _ = shares(logs["lora-affinity"])
     assert first_30_s < 0.12 and first_30_s < 0.6 * before, (before, first_30_s)  # proportionate: 0.5 / 5.5
     assert shares(logs["lora-affinity-v1"])[1] > first_30_s
+
+
+def test_the_decisions_benchmark_times_both_strategies_with_no_fallback():
+    from procs import run_cli
+
+    stdout = run_cli(["bench", "--scenario", "decisions", "--deployments", "8", "--iterations", "200",
+                      "--prompt-chars", "2048"])
+    row = next(line.split() for line in stdout.splitlines() if line.strip().startswith("8 "))
+    # deployments, shuffle median / p99, plugin median / p99, ratio, own median / p99, fallbacks, index blocks
+    assert row[0] == "8" and float(row[1]) > 0 and float(row[4]) > 0 and float(row[8]) > 0
+    assert row[-2] == "0" and int(row[-1]) > 0  # every decision the plugin's; the prompts filled the index
+    assert "Redis calls on the request path: 0" in stdout
+
+
+def test_the_side_by_side_loop_runs_on_this_checkout():
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    out = subprocess.run([sys.executable, str(root / "bench-tools" / "decision_own_part.py"), "300"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.fullmatch(r"\d+\.\d / \d+  \(fallbacks 0\)\n", out.stdout), out.stdout
