@@ -185,7 +185,15 @@ def wait_proxy(proc: Proc, port: int, timeout: float = 120.0) -> Proc:
 
 
 def litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", env: dict | None = None) -> Proc:
-    return wait_proxy(start_litellm_proxy(config, port, log_dir, name, env), port)
+    """A started proxy. One that never answered within `wait_proxy`'s timeout is started once more (said on
+    stderr): in one of twelve CI runs a proxy's start stalled right after LiteLLM's start-up, on a busy 2-core
+    machine, and alone the same stack starts in seconds. A proxy that exits is an error at once."""
+    try:
+        return wait_proxy(start_litellm_proxy(config, port, log_dir, name, env), port)
+    except TimeoutError as stalled:
+        print(f"{name} did not start within its timeout; starting it once more. Its log's end:\n"
+              f"{str(stalled)[-1500:]}", file=sys.stderr)
+        return wait_proxy(start_litellm_proxy(config, port, log_dir, f"{name}-again", env), port)
 
 
 def lora_affinity(args: list[str], log_dir: Path, name: str, env: dict | None = None) -> Proc:
