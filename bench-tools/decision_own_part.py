@@ -70,7 +70,8 @@ def main(decisions: int = 10_000, warmup: int = 2_000, seed: int = 1) -> None:
     import lora_affinity_plugin
 
     wanted = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
-    assert not wanted or lora_affinity_plugin.__file__.startswith(os.path.abspath(wanted)), lora_affinity_plugin.__file__
+    imported = lora_affinity_plugin.__file__
+    assert not wanted or imported.startswith(os.path.abspath(wanted)), imported  # the version asked for
     rng, prompts = random.Random(seed), _Prompts(random.Random(seed))
     settings = build_settings({})
     router = litellm.Router(model_list=_model_list(), routing_strategy="simple-shuffle")
