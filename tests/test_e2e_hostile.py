@@ -64,10 +64,13 @@ def post(client: httpx.Client, base: str, body: bytes | dict, path: str = "/v1/c
     return response.status_code
 
 
-def plugin_counter(base: str, name: str) -> float:
-    page = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {MASTER_KEY}"}, timeout=10,
+def metrics_page(base: str) -> str:
+    return httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {MASTER_KEY}"}, timeout=10,
                      follow_redirects=True).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)", page, re.M))
+
+
+def plugin_counter(base: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)", metrics_page(base), re.M))
 
 
 def chat(content, **extra) -> dict:
@@ -127,9 +130,8 @@ def test_the_plugin_never_failed_and_every_decision_stayed_bounded(proxies):
 
 
 def _decision_buckets(base: str) -> dict[str, float]:
-    page = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {MASTER_KEY}"}, follow_redirects=True).text
     return {le: float(n) for le, n in
-            re.findall(r'^lora_affinity_decision_seconds_bucket\{le="([^"]+)"\} (\S+)', page, re.M)}
+            re.findall(r'^lora_affinity_decision_seconds_bucket\{le="([^"]+)"\} (\S+)', metrics_page(base), re.M)}
 
 
 def test_a_10mb_prompt_does_not_delay_concurrent_small_requests(proxies):
