@@ -11,15 +11,16 @@ def test_live_bench_writes_one_result_per_strategy(tmp_path):
     path = tmp_path / "r.json"
     # 5x, not 20x or 10x: a request times out after the seed's 300 simulated seconds, 15 real ones at 20x and 30 at
     # 10x, which a slow machine running four suites on two cores (CI) stalled for (32 of 100 completed at 10x).
-    # 60 requests and 10 minutes: three runs and two proxy starts took 126 s on a quiet machine, over 300 s in CI.
-    stdout = run(["bench", "--scenario", "seed", "--mode", "live", "--speed", "5", "--requests", "60",
+    # 40 requests and 10 minutes: three runs and two proxy starts took 126 s on a quiet machine with 60, over 300 s
+    # in CI, each run as long as its slowest request.
+    stdout = run(["bench", "--scenario", "seed", "--mode", "live", "--speed", "5", "--requests", "40",
                   "--strategies", "per-connection-random,simple-shuffle,lora-affinity", "--json", str(path),
                   "--chart", str(tmp_path / "c.png")], timeout=600)
     results = json.loads(path.read_text())
     assert [r["strategy"] for r in results] == ["per-connection-random", "simple-shuffle", "lora-affinity"]
     for r in results:
-        assert r["completed"] + r["timeouts"] + r["errors"] == 60
-        assert r["completed"] > 42 and r["output_tokens_per_s"] > 0 and r["errors"] == 0
+        assert r["completed"] + r["timeouts"] + r["errors"] == 40
+        assert r["completed"] > 28 and r["output_tokens_per_s"] > 0 and r["errors"] == 0
         assert sum(r["per_replica"]) >= r["completed"]
         if r["strategy"] != "per-connection-random":  # through proxies: their load is measured
             assert r["transport"]["proxy_requests_per_s"] > 0 and r["transport"]["proxy_busiest_worker"] > 0

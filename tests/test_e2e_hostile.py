@@ -150,11 +150,11 @@ def test_a_10mb_prompt_does_not_delay_concurrent_small_requests(proxies):
                 f.result()
         return out
 
-    # The two proxies in turn, five rounds, the order alternating: what else runs on the machine then
+    # The two proxies in turn, three rounds, the order alternating: what else runs on the machine then
     # weighs on both alike. Each proxy's median has the uncertainty of its rounds' spread, so their
     # difference is noise up to the two spreads together (on a loaded CI machine, 20-30 ms each).
     delays: dict[str, list[float]] = {"with": [], "without": []}
-    for round_ in range(5):
+    for round_ in range(3):
         for name in (("with", "without") if round_ % 2 == 0 else ("without", "with")):
             alone = statistics.median(small_latencies(proxies[name], False))
             beside = statistics.median(small_latencies(proxies[name], True))
