@@ -4,7 +4,14 @@ Mixed LoRA traffic (long unseen prompts, instructions, questions, base-model cha
 slows to half speed mid-run: what the one decision is for, measured against the previous default.
 """
 
+import os
+import re
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
+
+from procs import run_cli
 
 from lora_affinity_plugin.bench.fast import run_fast
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
@@ -32,8 +39,6 @@ def test_a_replica_at_half_speed_gets_less_within_30_seconds():
 
 
 def test_the_decisions_benchmark_times_both_strategies_with_no_fallback():
-    from procs import run_cli
-
     stdout = run_cli(["bench", "--scenario", "decisions", "--deployments", "8", "--iterations", "200",
                       "--prompt-chars", "2048"])
     row = next(line.split() for line in stdout.splitlines() if line.strip().startswith("8 "))
@@ -44,12 +49,6 @@ def test_the_decisions_benchmark_times_both_strategies_with_no_fallback():
 
 
 def test_the_side_by_side_loop_runs_on_this_checkout():
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root / "src")}
     out = subprocess.run([sys.executable, str(root / "bench-tools" / "decision_own_part.py"), "300"], env=env,
