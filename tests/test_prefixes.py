@@ -445,6 +445,26 @@ def test_when_every_adapter_fits_a_dealt_pod_holding_other_apps_prompts_is_passe
     assert choose_pod(pods, short, S, random.Random(1)).pod == "a"
 
 
+def test_with_scarce_slots_gateways_keep_each_adapter_on_its_dealt_pod_until_it_is_far_busier():
+    """More adapters than slots: every spill from one gateway's partial view starts an adapter on a pod whose slots
+    the others are filling too, and the gateways scatter adapters (3 gateways lost 2.6% of one gateway's
+    completions on scarce-slots). So each adapter stays on its dealt pod, whoever else runs it, until that pod is
+    more than two spill margins busier than the least busy pod."""
+    margin = S.spill_queue_margin
+    holder = pod("a", running=2, adapters={"sql"})
+    dealt = pod("c", running=2 + 2 * margin, adapters={"ner"})
+    scarce = RouteRequest("sql", prefix_blocks=8, placement_key=7, gateways=3, home="c", dealt_adapters=24)
+    decision = choose_pod([holder, pod("b", running=2), dealt], scarce, S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("c", "dealt")
+    far_busier = replace(dealt, running=dealt.running + 1)
+    assert choose_pod([holder, pod("b", running=2), far_busier], scarce, S, random.Random(1)).pod == "a"
+    # Slots for every adapter, or one gateway: the adapter stays with the pod running it.
+    assert choose_pod([holder, pod("b", running=2), dealt], replace(scarce, dealt_adapters=4), S,
+                      random.Random(1)).pod == "a"
+    assert choose_pod([holder, pod("b", running=2), dealt], replace(scarce, gateways=1, home=None), S,
+                      random.Random(1)).pod == "a"
+
+
 def test_of_the_holders_that_admit_an_unseen_long_prompt_at_once_the_fastest_takes_it():
     """All of an unseen prompt is computed, and a half-speed pod doubles that prefill: an 8 KB text on one missed
     1 s every time (mixed-hetero). The load band alone chose the less loaded half-speed holder."""
