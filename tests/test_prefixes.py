@@ -465,6 +465,16 @@ def test_with_scarce_slots_gateways_keep_each_adapter_on_its_dealt_pod_until_it_
                       random.Random(1)).pod == "a"
 
 
+def test_pods_whose_pages_give_no_lora_slot_count_never_count_as_scarce():
+    """A page without `max_lora` (an older server, LoRA off): the slot count is unknown, so the dealt-pod rule
+    stays off and the usual adapter rules decide."""
+    holder = replace(pod("a", running=2, adapters={"sql"}), max_lora=None)
+    dealt = replace(pod("c", running=2, adapters={"ner"}), max_lora=None)
+    scarce = RouteRequest("sql", placement_key=7, gateways=3, home="c", dealt_adapters=24)
+    decision = choose_pod([holder, dealt], scarce, S, random.Random(1))
+    assert (decision.pod, decision.branch) == ("a", "affinity")
+
+
 def test_of_the_holders_that_admit_an_unseen_long_prompt_at_once_the_fastest_takes_it():
     """All of an unseen prompt is computed, and a half-speed pod doubles that prefill: an 8 KB text on one missed
     1 s every time (mixed-hetero). The load band alone chose the less loaded half-speed holder."""
