@@ -29,10 +29,10 @@ from procs import (
 CONCURRENCY = 20
 SERVER_KEEPALIVE_S = 5  # the replicas close connections idle this long (vLLM's default)
 PROXY_KEEPALIVE_S = 3
-"""Below the server's by 2 s: a busy machine releases a connection to the pool a while after the server's last
-byte, and the server's idle clock starts at that byte (with a 1 s margin a slow machine reused a closing one)."""
-"""The pooled proxy drops connections idle this long, below the server's; long enough that a busy machine's
-stall between two requests (seconds, when CI runs four suites on two cores) does not expire the pool."""
+"""The pooled proxy drops connections idle this long: below the server's by 2 s (a busy machine returns a
+connection to the pool a while after the server's last byte, which starts the server's idle clock; with a 1 s
+margin a slow machine reused a closing one), and long enough that a busy machine's stall between two requests
+does not expire the pool."""
 ADAPTERS = ["sql-lora", "tweet-summary"]
 
 
@@ -180,8 +180,10 @@ def test_abandoned_streams_are_aborted_upstream_and_leak_no_connection(stack):
     # No leak: once the hang-ups are relayed, the connections open stay within the concurrency (an
     # aborted stream's connection is closed, never returned mid-response; the others are reused).
     assert after["open"] <= before["open"] + CONCURRENCY + 2, (before["open"], after["open"])
-    # Only hung-up streams cost a new connection in later rounds (plus returns that overlap new requests).
-    assert accepted[-1] - accepted[0] <= 2 * 20 + CONCURRENCY, accepted
+    # Later rounds open new connections only for hung-up streams (20 each) and for returns that overlap new
+    # requests, which in-flight requests bound at CONCURRENCY a round (a round at half speed overlapped ~10 of
+    # them: 61 against one CONCURRENCY for both rounds). Unpooled, a request opens one: 200 for these two rounds.
+    assert accepted[-1] - accepted[0] <= 2 * (20 + CONCURRENCY), accepted
     assert unclosed_sessions(stack, "pooled") == 0
 
 
