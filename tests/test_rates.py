@@ -64,6 +64,23 @@ def test_rates_start_at_the_defaults_and_restart_with_the_server():
     assert tracker.observe("pod", None, 3.0) is DEFAULT_RATES  # a page without histograms keeps what it had
 
 
+def test_each_rate_s_first_measurement_stands_alone_whichever_came_first():
+    """A half-speed pod's first prefill came in a scrape before it had made 20 output tokens: its first decode
+    figure must read 2x, not 1.5x (averaged with the default), or the pod does not count as slow for seconds."""
+    tracker = RateTracker()
+    tracker.observe("pod", PodCounters(), 0.0)
+    prefilled = PodCounters(prefill_time_sum=0.2, prefill_time_count=1, prompt_tokens=250)  # 2x the 0.1 s expected
+    first = tracker.observe("pod", prefilled, 0.2)
+    assert first.learned and first.prefill_factor == pytest.approx(2.0) and first.decode_factor == 1.0
+    step = 2 * 0.06  # twice what the defaults predict for a lone request with no KV
+    decoded = PodCounters(prefill_time_sum=0.2, prefill_time_count=1, prompt_tokens=250, itl_sum=20 * step, itl_count=20)
+    second = tracker.observe("pod", decoded, 0.4)
+    assert second.decode_factor == pytest.approx(2.0) and second.decode_step_s == pytest.approx(step)
+    assert second.prefill_factor == pytest.approx(2.0)  # unchanged: no prefill in that interval
+    again = PodCounters(prefill_time_sum=0.3, prefill_time_count=2, prompt_tokens=500, itl_sum=40 * step, itl_count=40)
+    assert tracker.observe("pod", again, 0.6).prefill_factor == pytest.approx(1.5)  # from then on, averaged
+
+
 def test_the_page_s_histogram_sums_and_counts_are_read():
     page = (FIXTURES / "synthetic_full_page_v1_48k.txt").read_text()
     counters = parse_metrics(page).counters

@@ -65,6 +65,8 @@ class _PodHistory:
     load: tuple[float, float] = (0.0, 0.0)
     """Running requests and KV tokens at the last scrape."""
     decode: _Decode = field(default_factory=_Decode)
+    measured: set[str] = field(default_factory=set)
+    """The rates measured at least once: each one's first measurement replaces its default, not averages with it."""
 
 
 class RateTracker:
@@ -88,7 +90,7 @@ class RateTracker:
         interval, history.at = at - history.at, at
         previous_load, history.load = history.load, load
         if counters.prefill_time_count < previous.prefill_time_count:  # the server restarted: start over
-            history.rates, history.first, history.decode = DEFAULT_RATES, counters, _Decode()
+            history.rates, history.first, history.decode, history.measured = DEFAULT_RATES, counters, _Decode(), set()
             return history.rates
         if interval > 0:
             mean_load = ((previous_load[0] + running) / 2, (previous_load[1] + kv_tokens) / 2)
@@ -110,18 +112,17 @@ def decode_load(metrics: PodMetrics) -> tuple[float, float]:
 
 def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, interval: float,
              load: tuple[float, float]) -> PodRates:
-    rates, first, decode = history.rates, history.first, history.decode
+    rates, first, decode, measured = history.rates, history.first, history.decode, history.measured
     prefill_factor, step, per_queued, output, decode_factor = (
         rates.prefill_factor, rates.decode_step_s, rates.queue_s_per_request, rates.mean_output_tokens,
         rates.decode_factor)
-    learned = rates.learned
     prefills = after.prefill_time_count - before.prefill_time_count
     if prefills >= MIN_REQUESTS:
         computed = (after.prompt_tokens - before.prompt_tokens) - (after.prefix_hits - before.prefix_hits)
         expected = prefills * PREFILL_OVERHEAD_S + max(0.0, computed) * PREFILL_S_PER_TOKEN
-        measured = after.prefill_time_sum - before.prefill_time_sum
-        if expected > 0 and measured > 0:
-            prefill_factor = _smooth(prefill_factor, measured / expected, learned)
+        taken = after.prefill_time_sum - before.prefill_time_sum
+        if expected > 0 and taken > 0:
+            prefill_factor = _smooth(prefill_factor, taken / expected, measured, "prefill_factor")
     tokens = after.itl_count - before.itl_count
     if tokens > 0:
         decode.seconds += after.itl_sum - before.itl_sum
@@ -129,15 +130,16 @@ def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, inte
         decode.expected_s += tokens * expected_step_s(*load)
     if decode.tokens >= MIN_TOKENS:
         if decode.seconds > 0:
-            step = _smooth(step, decode.seconds / decode.tokens, learned)
-            decode_factor = _smooth(decode_factor, decode.seconds / decode.expected_s, learned)
+            step = _smooth(step, decode.seconds / decode.tokens, measured, "decode_step_s")
+            decode_factor = _smooth(decode_factor, decode.seconds / decode.expected_s, measured, "decode_factor")
         history.decode = _Decode()
     queued = after.queue_time_count - before.queue_time_count
     if queued >= MIN_REQUESTS:
         mean_queue_s = (after.queue_time_sum - before.queue_time_sum) / queued
         # A request ahead holds one back for the time between admissions when the pod is the bottleneck
         # (then admissions come at its service rate); when it is not, no longer than requests queued at all.
-        per_queued = _smooth(per_queued, max(min(interval / queued, mean_queue_s), step / 4), learned)
+        per_queued = _smooth(per_queued, max(min(interval / queued, mean_queue_s), step / 4), measured,
+                             "queue_s_per_request")
     finished = after.requests_finished - first.requests_finished
     if finished >= MIN_REQUESTS and after.requests_finished > before.requests_finished:
         output = max(1.0, (after.generation_tokens - first.generation_tokens) / finished)
@@ -151,5 +153,11 @@ def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, inte
                     decode_factor=max(0.01, min(decode_factor, 100.0)))
 
 
-def _smooth(old: float, new: float, learned: bool) -> float:
-    return new if not learned else old + SMOOTHING * (new - old)
+def _smooth(old: float, new: float, measured: set[str], rate: str) -> float:
+    """The moving average of `rate`; its first measurement stands alone. (Averaged with the default, a half-speed
+    pod's first decode figure read 1.45x, under the 1.5x that marks a pod slow, and it got its full share for
+    seconds more.)"""
+    if rate not in measured:
+        measured.add(rate)
+        return new
+    return old + SMOOTHING * (new - old)
