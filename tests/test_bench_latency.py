@@ -1,0 +1,41 @@
+"""The latency bench's goal lines: how far seed luck alone moves a ratio of medians."""
+
+import random
+
+from lora_affinity_plugin.bench.latency import mixed_goals_summary, seed_interval
+from lora_affinity_plugin.bench.results import Result
+
+
+def test_the_seed_interval_holds_the_ratio_and_narrows_with_a_clear_difference():
+    rng = random.Random(7)
+    reference = [rng.uniform(0.8, 1.4) for _ in range(30)]
+    same = [x * rng.uniform(0.8, 1.25) for x in reference]  # the same fleet, other luck
+    lo, hi = seed_interval(same, reference)
+    assert lo < 1.0 < hi  # no difference: 1.0 inside
+    half = [x * 0.5 for x in reference]
+    lo, hi = seed_interval(half, reference)
+    assert lo == hi == 0.5  # every seed exactly half: no spread at all
+    noisy_half = [x * rng.uniform(0.4, 0.6) for x in reference]
+    lo, hi = seed_interval(noisy_half, reference)
+    assert 0.35 < lo < 0.5 < hi < 0.65 and hi < 1.0
+
+
+def test_too_few_or_unpaired_seeds_give_no_interval():
+    assert seed_interval([0.5] * 4, [1.0] * 4) is None
+    assert seed_interval([0.5] * 6, [1.0] * 5) is None  # not the same seeds
+
+
+def _result(strategy: str, rate: float, p90s: list[float]) -> Result:
+    p90 = sorted(p90s)[len(p90s) // 2]
+    return Result(strategy=strategy, scenario="mixed", mode="fast", completed=100, timeouts=0, errors=0,
+                  duration_s=90.0, output_tokens=1000, ttft_s={"p50": 0.1, "p90": p90, "p99": 2 * p90},
+                  rate=rate, seeds=len(p90s), ttft_p90_by_seed=p90s)
+
+
+def test_the_mixed_goal_line_gives_the_seeds_interval():
+    rng = random.Random(3)
+    ref = [rng.uniform(1.0, 1.6) for _ in range(9)]
+    results = [_result("least-busy", 2.0, [0.9] * 9), _result("lora-affinity", 2.0, [0.5] * 9),
+               _result("least-busy", 3.0, ref), _result("lora-affinity", 3.0, [x * 0.6 for x in ref])]
+    line = mixed_goals_summary(results).splitlines()[0]
+    assert line.startswith("  met") and "at 3 req/s" in line and "(0.60x; seeds' 95% interval 0.60-0.60x)" in line
