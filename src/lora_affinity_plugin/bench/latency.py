@@ -209,9 +209,9 @@ def seed_interval(ours: Sequence[float], reference: Sequence[float], resamples: 
     """The 95% interval of median(ours) / median(reference) that seed luck alone gives: a paired bootstrap over
     the seeds (both strategies ran the same seeds, in order, so a seed is resampled for both at once). A goal's
     ratio inside it on both sides of the line is not decided by the run. None under 5 seeds."""
-    pairs = [(a, b) for a, b in zip(ours, reference) if b > 0]
-    if len(pairs) < 5 or len(pairs) != len(ours):
+    if len(ours) != len(reference) or len(ours) < 5 or min(reference) <= 0:
         return None
+    pairs = list(zip(ours, reference))
     rng = random.Random(0)  # the same interval for the same figures
     ratios = []
     for _ in range(resamples):
