@@ -1,0 +1,60 @@
+"""How soon, and how steadily, the plugin counts the half-speed replicas of `mixed-hetero` as slow.
+
+Runs the fast bench's `lora-affinity` policy (the plugin's FleetView, rules and rate learning) and reads its
+fleet view after every scrape: when each odd (half-speed) replica first counts slow, and after 20 simulated
+seconds the share of scrapes where a half-speed replica still reads 1.0, with the prefill and decode factors
+(p10 / p50 / p90) of both kinds of replica.
+
+    .venv/bin/python bench-tools/hetero_slowness.py [RATE] [SEEDS]    # defaults: 2.5 req/s, seeds 1-5
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lora_affinity_plugin.bench import policies
+from lora_affinity_plugin.bench.fast import run_fast
+from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+
+SETTLED_S = 20.0
+
+
+def _spread(values: list[float]) -> str:
+    ordered = sorted(values)
+    return " / ".join(f"{ordered[int(q * len(ordered))]:.2f}" for q in (0.1, 0.5, 0.9))
+
+
+def main(rate: float = 2.5, seeds: int = 5) -> None:
+    first_slow: dict[str, float] = {}
+    settled = {kind: {"slowness": [], "prefill": [], "decode": []} for kind in ("full", "half")}
+    scraped = policies.Rules.scraped
+
+    def watch(self, snapshots, gpu, at) -> None:
+        scraped(self, snapshots, gpu, at)
+        for key, state in self.fleet._pods.items():
+            if state.base is None:
+                continue
+            kind = "half" if int(key[1:]) % 2 else "full"  # profiles speed=1;speed=0.5, dealt in turn
+            if kind == "half" and state.base.slowness > 1 and key not in first_slow:
+                first_slow[key] = at
+            if at >= SETTLED_S:
+                figures = settled[kind]
+                figures["slowness"].append(state.base.slowness)
+                figures["prefill"].append(state.base.rates.prefill_factor)
+                figures["decode"].append(state.base.rates.decode_factor)
+
+    policies.Rules.scraped = watch
+    scenario = at_rate(get_scenario("mixed-hetero"), rate)
+    for seed in range(1, seeds + 1):
+        first_slow.clear()
+        run_fast(scenario, "lora-affinity", seed)
+        print(f"seed {seed}: half-speed replicas first count slow at "
+              + ", ".join(f"{key} {at:.1f} s" for key, at in sorted(first_slow.items())))
+    for kind, figures in settled.items():
+        at_one = sum(1 for s in figures["slowness"] if s == 1.0) / len(figures["slowness"])
+        print(f"{kind}-speed replicas after {SETTLED_S:.0f} s: slowness 1.0 in {at_one:.1%} of scrapes; prefill factor "
+              f"p10/p50/p90 {_spread(figures['prefill'])}; decode factor {_spread(figures['decode'])}")
+
+
+if __name__ == "__main__":
+    main(*(float(a) if i == 0 else int(a) for i, a in enumerate(sys.argv[1:3])))
