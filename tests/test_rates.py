@@ -81,6 +81,16 @@ def test_each_rate_s_first_measurement_stands_alone_whichever_came_first():
     assert tracker.observe("pod", again, 0.6).prefill_factor == pytest.approx(1.5)  # from then on, averaged
 
 
+def test_after_a_restart_each_rate_s_first_measurement_stands_alone_again():
+    tracker = RateTracker()
+    tracker.observe("pod", PodCounters(), 0.0)
+    tracker.observe("pod", PodCounters(prefill_time_sum=0.2, prefill_time_count=1, prompt_tokens=250), 0.2)  # 2x
+    restarted = tracker.observe("pod", PodCounters(), 0.4)  # the counters went back
+    assert restarted is DEFAULT_RATES
+    again = tracker.observe("pod", PodCounters(prefill_time_sum=0.3, prefill_time_count=1, prompt_tokens=250), 0.6)
+    assert again.prefill_factor == pytest.approx(3.0)  # not averaged with the 2.0 from before the restart
+
+
 def test_the_page_s_histogram_sums_and_counts_are_read():
     page = (FIXTURES / "synthetic_full_page_v1_48k.txt").read_text()
     counters = parse_metrics(page).counters
