@@ -224,8 +224,9 @@ def test_every_filter_the_rules_apply_can_be_disabled_by_name():
     import typing
     from pathlib import Path
 
-    from lora_affinity_plugin import scheduling
+    from lora_affinity_plugin import other_rule_sets, scheduling
     from lora_affinity_plugin.settings import RuleName
 
-    applied = set(re.findall(r'run\.apply\("([a-z_]+)"', Path(scheduling.__file__).read_text()))
+    applied = {name for module in (scheduling, other_rule_sets)
+               for name in re.findall(r'run\.apply\("([a-z_]+)"', Path(module.__file__).read_text())}
     assert applied and applied <= set(typing.get_args(RuleName)), applied - set(typing.get_args(RuleName))

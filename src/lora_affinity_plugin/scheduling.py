@@ -4,17 +4,13 @@ No I/O and no clocks: given the same candidates, request, settings and seeded RN
 always the same. The LiteLLM adapter (`strategy.py`), the fast simulator and `explain` all call
 `choose_pod` so that what is benchmarked is what serves traffic.
 
-Rule sets:
-- ``gie-v0.2``: the Gateway API Inference Extension endpoint picker's v0.2 decision tree.
-- ``lora-affinity`` (default): the same thresholds and shedding, but adapter placement that keeps
-  few distinct adapters per replica, remembers resident adapters, and spills a hot adapter to a
-  new replica only when its holders are clearly busier than the fleet (their load counted at their
-  speed); the longest cached prompt prefix, among pods not far busier than the least busy one; and,
-  among the pods these rules allow, the least estimated cost in seconds (`cost.py`, at each pod's
-  learned rates, `rates.py`).
-- ``lora-affinity-v1``: the previous default, kept as a reference.
-- ``llmd-prefix`` and ``sglang-cache-aware``: the peers' prefix-aware policies as published
-  (shared/docs/scheduling-reference.md section 7), kept as references to measure against.
+The default rule set, ``lora-affinity``: the endpoint picker's thresholds and shedding, but adapter
+placement that keeps few distinct adapters per replica, remembers resident adapters, and spills a hot
+adapter to a new replica only when its holders are clearly busier than the fleet (their load counted at
+their speed); the longest cached prompt prefix, among pods not far busier than the least busy one; and,
+among the pods these rules allow, the least estimated cost in seconds (`cost.py`, at each pod's learned
+rates, `rates.py`). The other rule sets (the picker's v0.2 tree, the previous default, the peers'
+prefix-aware policies) are in `other_rule_sets.py`.
 """
 
 from __future__ import annotations
@@ -196,11 +192,6 @@ def least_band_float(values: Sequence[float], width: float = 1.0) -> float:
     return lo + (hi - lo) * width / len(values)
 
 
-def _least_waiting(pods: list[Candidate], width: float) -> list[Candidate]:
-    edge = least_band_int([p.waiting for p in pods], width)
-    return [p for p in pods if p.waiting <= edge]
-
-
 def _least_load(pods: list[Candidate], width: float) -> list[Candidate]:
     edge = least_band_int([p.load for p in pods], width)
     return [p for p in pods if p.load <= edge]
@@ -228,15 +219,11 @@ def choose_pod(
         run.considered = pods
     if request.sheddable and settings.shedding:
         pods = _sheddable_capacity(pods, settings, run)
-    if settings.rule_set == "gie-v0.2":
-        return _gie_v02(pods, request, settings, run)
-    if settings.rule_set == "llmd-prefix":
-        return _llmd_prefix(pods, request, run)
-    if settings.rule_set == "sglang-cache-aware":
-        return _sglang_cache_aware(pods, request, run)
-    if settings.rule_set == "lora-affinity-v1":
-        return _lora_affinity_v1(pods, request, settings, run)
-    return _lora_affinity(pods, request, settings, run)
+    if settings.rule_set == "lora-affinity":
+        return _lora_affinity(pods, request, settings, run)
+    from .other_rule_sets import OTHER_RULE_SETS  # (imported here: that module builds on this one's filters)
+
+    return OTHER_RULE_SETS[settings.rule_set](pods, request, settings, run)
 
 
 def _sheddable_capacity(pods: list[Candidate], settings: Settings, run: _Run) -> list[Candidate]:
@@ -254,36 +241,6 @@ def _sheddable_capacity(pods: list[Candidate], settings: Settings, run: _Run) ->
     if run.trace is not None:
         run.trace.append(("sheddable_capacity", tuple(p.key for p in kept)))
     return kept
-
-
-# --- gie-v0.2: the endpoint picker's tree, as published -------------------------------------
-
-
-def _gie_v02(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
-    threshold = settings.queueing_threshold_lora  # (read once: a settings attribute costs more than the test)
-    low_queue = [p for p in pods if p.waiting < threshold]
-    if low_queue:
-        pods = run.apply("low_queue", pods, low_queue)
-        if request.adapter is not None:
-            pods = run.apply("lora_soft_affinity", pods, _soft_affinity(pods, request.adapter, settings, run))
-        pods = run.apply("least_queue", pods, _least_waiting(pods, run.width))
-        pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-        return run.pick(pods, "low_queue")
-    pods = run.apply("least_queue", pods, _least_waiting(pods, run.width))
-    if request.adapter is not None:
-        adapter = request.adapter
-        low_cost = [p for p in pods if adapter in p.active_adapters or p.has_free_slot()]
-        pods = run.apply("low_cost_lora", pods, low_cost)
-    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-    return run.pick(pods, "high_queue")
-
-
-def _soft_affinity(pods: list[Candidate], adapter: str, settings: Settings, run: _Run) -> list[Candidate]:
-    affinity = [p for p in pods if adapter in p.active_adapters]
-    available = [p for p in pods if adapter not in p.active_adapters and p.has_free_slot()]
-    if affinity and available:
-        return affinity if run.rng.random() < settings.lora_affinity_threshold else available
-    return affinity or available
 
 
 # --- lora-affinity: our default ------------------------------------------------------------
@@ -561,12 +518,6 @@ def _adapter_then_least_load(pods: list[Candidate], request: RouteRequest, run: 
     return run.pick(pods, "new_prefix", agree=True)
 
 
-def _least(pods: list[Candidate], run: _Run, branch: str) -> Decision:
-    pods = run.apply("least_load", pods, _least_load(pods, run.width))
-    pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-    return run.pick(pods, branch)
-
-
 def _cheapest(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run, branch: str,
               agree: bool = False) -> Decision:
     """Step 4: least load; the least estimated cost (pods within `cost_band_ms` or `cost_band_ratio` of it are
@@ -645,31 +596,6 @@ def _by_prefix(pods: list[Candidate], request: RouteRequest, settings: Settings,
     return _cheapest(pods, request, settings, run, branch, agree=True)
 
 
-def _lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
-    """The previous default (kept as the `lora-affinity-v1` reference): a long prompt went through the prefix
-    rules before any adapter rule, so an unseen long prompt was placed by index size, not by its adapter."""
-    threshold = settings.queueing_threshold_lora  # (read once: a settings attribute costs more than the test)
-    low_queue = [p for p in pods if p.waiting < threshold]
-    pods = run.apply("low_queue", pods, low_queue)
-    long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
-    if long_prompt:
-        warm = _warm(pods, request, settings)
-        if warm:
-            pods = run.apply("prefix_match", pods, warm)
-            pods = run.apply("least_load", pods, _least_load(pods, run.width))
-            pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
-            return run.pick(pods, "prefix", agree=True)
-        return _new_prefix_v1(pods, _not_far_busier(pods, settings), request, run)
-    if request.adapter is None:
-        return _least(pods, run, "base_model")
-
-    holders, roomy = _adapter_holders(pods, request.adapter, settings, min([p.load for p in pods]))
-    if roomy:
-        return _least(run.apply("adapter_active", pods, roomy), run, "affinity")
-
-    return _place_adapter(pods, holders, request, settings, run, by_prefix=False)
-
-
 def _not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candidate] | None = None,
                     least: int | None = None) -> list[Candidate]:
     """Pods (of `among`, default all) not far busier than `pods`' least busy: a pod is far busier when it reported
@@ -681,17 +607,6 @@ def _not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candi
     edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
     queue_edge = min([p.reported_waiting for p in pods]) + 1  # one waiting request is the next step's admission
     return [p for p in (pods if among is None else among) if p.load <= edge or p.reported_waiting <= queue_edge]
-
-
-def _new_prefix_v1(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
-    """A prompt no pod holds: it will stay where it lands, so place it for the cache, not the moment.
-
-    Among pods not far busier than the least busy, and (for an adapter) that can run it without
-    evicting another, the one whose cache is known to hold least; gateways agree by rendezvous.
-    """
-    pods = run.apply("roomy", pods, roomy)
-    pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
-    return _adapter_then_least_load(pods, request, run)
 
 
 def _fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float) -> list[Candidate]:
@@ -722,57 +637,3 @@ def _warm(pods: list[Candidate], request: RouteRequest, settings: Settings, leas
     if best < settings.prefix_min_blocks:
         return []
     return [p for n, p in held if n == best]
-
-
-# --- the peers' prefix-aware policies, as references -----------------------------------------
-
-
-LLMD_WEIGHTS = {"prefix": 2.0, "kv": 1.0, "queue": 1.0, "lora": 1.0}
-"""The llm-d router's published sample profile: prefix 2, KV use 1, queue 1, plus its LoRA scorer at 1."""
-
-
-def _llmd_prefix(pods: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
-    """Weighted scorers, highest total wins (ties at random)."""
-    blocks = max(1, request.prefix_blocks)
-    queues = [p.waiting for p in pods]
-    lo, hi = min(queues), max(queues)
-    best: list[Candidate] = []
-    top = -1.0
-    for p in pods:
-        prefix = request.prefix_matches.get(p.key, 0) / blocks
-        queue = 1.0 if hi == lo else (hi - p.waiting) / (hi - lo)
-        if request.adapter is None:
-            lora = 0.0
-        elif request.adapter in p.active_adapters:
-            lora = 1.0
-        else:
-            lora = 0.8 if p.has_free_slot() else 0.0
-        score = (LLMD_WEIGHTS["prefix"] * prefix + LLMD_WEIGHTS["kv"] * (1 - p.kv_cache_usage)
-                 + LLMD_WEIGHTS["queue"] * queue + LLMD_WEIGHTS["lora"] * lora)
-        if score > top + 1e-9:
-            best, top = [p], score
-        elif abs(score - top) <= 1e-9:
-            best.append(p)
-    if run.trace is not None:
-        run.trace.append(("llmd_scores", tuple(p.key for p in best)))
-    return run.pick(best, "llmd")
-
-
-SGLANG_BALANCE_ABS = 64
-SGLANG_BALANCE_REL = 1.5
-SGLANG_MATCH_RATIO = 0.3
-
-
-def _sglang_cache_aware(pods: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
-    """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
-    loads = [p.load for p in pods]
-    if max(loads) - min(loads) > SGLANG_BALANCE_ABS and max(loads) > SGLANG_BALANCE_REL * min(loads):
-        low = min(loads)
-        return run.pick([p for p in pods if p.load == low], "sglang_balance")
-    matches = request.prefix_matches
-    best = max((matches.get(p.key, 0) for p in pods), default=0)
-    if request.prefix_blocks and best / request.prefix_blocks > SGLANG_MATCH_RATIO:
-        return run.pick([p for p in pods if matches.get(p.key, 0) == best], "sglang_match")
-    sizes = request.prefix_sizes
-    smallest = min(sizes.get(p.key, 0) for p in pods)
-    return run.pick([p for p in pods if sizes.get(p.key, 0) == smallest], "sglang_smallest_tree")
