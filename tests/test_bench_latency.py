@@ -39,3 +39,15 @@ def test_the_mixed_goal_line_gives_the_seeds_interval():
                _result("least-busy", 3.0, ref), _result("lora-affinity", 3.0, [x * 0.6 for x in ref])]
     line = mixed_goals_summary(results).splitlines()[0]
     assert line.startswith("  met") and "at 3 req/s" in line and "(0.60x; seeds' 95% interval 0.60-0.60x)" in line
+
+
+def test_goodput_is_not_judged_when_no_reference_passes_at_any_swept_rate():
+    """A sweep that starts above every reference's limit has no goodput to compare with: it says so, and
+    neither meets nor misses (it read "infx >= 1.3x: met")."""
+    results = [_result("least-busy", 4.0, [1.2] * 5), _result("lora-affinity", 4.0, [0.8] * 5),
+               _result("least-busy", 4.5, [3.0] * 5), _result("lora-affinity", 4.5, [1.7] * 5)]
+    goodput = mixed_goals_summary(results).splitlines()[-1]
+    assert goodput.startswith("  n/a") and "lora-affinity 4," in goodput and "sweep lower rates" in goodput
+    results.insert(0, _result("least-busy", 3.5, [0.9] * 5))
+    goodput = mixed_goals_summary(results).splitlines()[-1]
+    assert goodput.startswith("  missed") and "best reference least-busy 3.5 req/s (1.14x >= 1.3x)" in goodput
