@@ -1,0 +1,44 @@
+"""One replica's learned rates over the first seconds of a `mixed-hetero` run: when its figures arrive.
+
+Runs the fast bench's `lora-affinity` policy for one seed and prints, at every scrape where they change (up to
+`UNTIL_S` simulated seconds), the replica's prefill and decode factors, its slowness against the fleet, whether
+any rate was learned, and the requests it was running and queueing. Odd replicas (r1, r3, r5) run at half speed.
+
+    .venv/bin/python bench-tools/replica_timeline.py [RATE] [SEED] [REPLICA]    # defaults: 2.5 req/s, 1, r1
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lora_affinity_plugin.bench import policies
+from lora_affinity_plugin.bench.fast import run_fast
+from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+
+UNTIL_S = 16.0
+
+
+def main(rate: float = 2.5, seed: int = 1, replica: str = "r1") -> None:
+    scraped = policies.Rules.scraped
+    last: list[tuple] = []
+
+    def watch(self, snapshots, gpu, at) -> None:
+        scraped(self, snapshots, gpu, at)
+        state = self.fleet._pods.get(replica)
+        if state is None or state.base is None or at > UNTIL_S:
+            return
+        base, rates = state.base, state.base.rates
+        row = (round(rates.prefill_factor, 2), round(rates.decode_factor, 2), round(base.slowness, 2), rates.learned,
+               base.running, base.waiting)
+        if not last or last[-1] != row:
+            print(f"{at:5.1f} s  prefill factor {row[0]:5.2f}  decode factor {row[1]:5.2f}  slowness {row[2]:.2f}  "
+                  f"learned {row[3]!s:<5}  running {row[4]}  waiting {row[5]}")
+            last.append(row)
+
+    policies.Rules.scraped = watch
+    run_fast(at_rate(get_scenario("mixed-hetero"), rate), "lora-affinity", seed)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:4]
+    main(*(float(a) if i == 0 else int(a) if i == 1 else a for i, a in enumerate(args)))
