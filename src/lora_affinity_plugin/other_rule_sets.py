@@ -46,6 +46,8 @@ def _least(pods: list[Candidate], run: _Run, branch: str) -> Decision:
 
 
 def gie_v02(pods: list[Candidate], request: RouteRequest, settings: Settings, run: _Run) -> Decision:
+    """Under the queue threshold: LoRA soft affinity, the least queue, the least KV use; over it: the least
+    queue, a pod running the adapter or with a free slot, the least KV use (scheduling-reference.md)."""
     threshold = settings.queueing_threshold_lora  # (read once: a settings attribute costs more than the test)
     low_queue = [p for p in pods if p.waiting < threshold]
     if low_queue:
@@ -65,12 +67,12 @@ def gie_v02(pods: list[Candidate], request: RouteRequest, settings: Settings, ru
 
 
 def _soft_affinity(pods: list[Candidate], adapter: str, settings: Settings, run: _Run) -> list[Candidate]:
+    """The pods running the adapter with probability `lora_affinity_threshold`, else those with a free slot."""
     affinity = [p for p in pods if adapter in p.active_adapters]
     available = [p for p in pods if adapter not in p.active_adapters and p.has_free_slot()]
     if affinity and available:
         return affinity if run.rng.random() < settings.lora_affinity_threshold else available
     return affinity or available
-
 
 
 # --- lora-affinity-v1: the previous default -----------------------------------------------
@@ -101,7 +103,6 @@ def lora_affinity_v1(pods: list[Candidate], request: RouteRequest, settings: Set
     return _place_adapter(pods, holders, request, settings, run, by_prefix=False)
 
 
-
 def _new_prefix_v1(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest, run: _Run) -> Decision:
     """A prompt no pod holds: it will stay where it lands, so place it for the cache, not the moment.
 
@@ -111,7 +112,6 @@ def _new_prefix_v1(pods: list[Candidate], roomy: list[Candidate], request: Route
     pods = run.apply("roomy", pods, roomy)
     pods = run.apply("fewest_prefixes", pods, _fewest_prefixes(pods, request, run.width))
     return _adapter_then_least_load(pods, request, run)
-
 
 
 # --- the peers' prefix-aware policies, as references -----------------------------------------
