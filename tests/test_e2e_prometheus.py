@@ -101,8 +101,8 @@ def _load(proxy: str, config: Path) -> dict:
         # No pod may take sheddable traffic while anything runs or waits there: long requests keep both busy.
         _thresholds(config, "set", "queue_threshold_critical=0", "kv_cache_threshold=0.0")
         time.sleep(0.5)
-        # 600 tokens: about 7 s at the fleet's 5x. The sheddable ones go at once: sent one after another they
-        # took over 2.5 s on a slow machine, and the last one found a pod free (43 routed, not 42).
+        # 600 tokens: about 7 s at the fleet's 5x. The sheddable ones go at once: sent one after another behind
+        # 300-token ones (3.5 s), the last one found a pod free on a slow machine (43 routed, not 42).
         long = [pool.submit(_complete, proxy, i, tokens=600) for i in range(2)]
         time.sleep(1.0)  # running, and scraped (every 100 ms)
         statuses += burst.map(lambda i: _complete(proxy, i, sheddable=True), range(6))
