@@ -17,9 +17,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from lora_affinity_plugin.bench import fast, policies
+from lora_affinity_plugin.bench.latency import TTFT_TARGET_S
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
-
-TTFT_TARGET_S = 1.0
 
 
 def _kind(adapter: str | None, messages: list | None) -> str:

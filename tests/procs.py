@@ -30,6 +30,17 @@ def fake_pods(ports: list[int], log_dir: Path) -> Proc:
 CLI = [sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING"]
 
 
+BENCH_TOOLS = Path(__file__).resolve().parents[1] / "bench-tools"
+
+
+def run_bench_tool(name: str, *args: str, timeout: float = 300) -> str:
+    """`bench-tools/NAME ARGS` on this checkout's source, which must succeed; its stdout."""
+    out = subprocess.run([sys.executable, str(BENCH_TOOLS / name), *args], capture_output=True, text=True,
+                         timeout=timeout, env=child_env(PYTHONPATH=str(BENCH_TOOLS.parent / "src")))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
 def run_cli(args: list[str], timeout: float = 300) -> str:
     """`lora-affinity ARGS`, which must succeed; its stdout."""
     out = subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=child_env())

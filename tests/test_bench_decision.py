@@ -4,14 +4,10 @@ Mixed LoRA traffic (long unseen prompts, instructions, questions, base-model cha
 slows to half speed mid-run: what the one decision is for, measured against the previous default.
 """
 
-import os
 import re
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-from procs import run_cli
+from procs import run_bench_tool, run_cli
 
 from lora_affinity_plugin.bench.fast import run_fast
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
@@ -49,9 +45,5 @@ def test_the_decisions_benchmark_times_both_strategies_with_no_fallback():
 
 
 def test_the_side_by_side_loop_runs_on_this_checkout():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root / "src")}
-    out = subprocess.run([sys.executable, str(root / "bench-tools" / "decision_own_part.py"), "300"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert re.fullmatch(r"\d+\.\d / \d+  \(fallbacks 0\)\n", out.stdout), out.stdout
+    stdout = run_bench_tool("decision_own_part.py", "300")
+    assert re.fullmatch(r"\d+\.\d / \d+  \(fallbacks 0\)\n", stdout), stdout

@@ -1,6 +1,9 @@
 """The latency bench's goal lines: how far seed luck alone moves a ratio of medians."""
 
+import json
 import random
+
+from procs import run_bench_tool
 
 from lora_affinity_plugin.bench.latency import mixed_goals_summary, seed_interval
 from lora_affinity_plugin.bench.results import Result
@@ -53,22 +56,7 @@ def test_goodput_is_not_judged_when_no_reference_passes_at_any_swept_rate():
     assert goodput.startswith("  missed") and "best reference least-busy 3.5 req/s (1.14x >= 1.3x)" in goodput
 
 
-def _tool(name: str, *args: str) -> str:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "bench-tools" / name), *args], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(root / "src")}, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
 def test_seed_intervals_compares_two_runs_row_by_row(tmp_path):
-    import json
-
     def run(scale: float) -> list[dict]:
         rows = [_result("lora-affinity", 2.0, [0.5 + 0.01 * i for i in range(8)]),
                 _result("least-busy", 2.0, [1.0 + 0.02 * i for i in range(8)])]
@@ -78,14 +66,14 @@ def test_seed_intervals_compares_two_runs_row_by_row(tmp_path):
 
     (tmp_path / "after.json").write_text(json.dumps(run(0.8)))
     (tmp_path / "before.json").write_text(json.dumps(run(1.0)))
-    lines = _tool("seed_intervals.py", str(tmp_path / "after.json"), str(tmp_path / "before.json")).splitlines()
+    lines = run_bench_tool("seed_intervals.py", str(tmp_path / "after.json"), str(tmp_path / "before.json")).splitlines()
     assert len(lines) == 2
     assert lines[0].startswith("lora-affinity") and "0.80x [0.80-0.80]" in lines[0] and "lower in 8 seeds, higher in 0" in lines[0]
     assert lines[1].startswith("least-busy") and "1.00x [1.00-1.00]" in lines[1] and "lower in 0 seeds, higher in 0" in lines[1]
 
 
 def test_replica_timeline_prints_a_half_speed_replica_s_rates_as_they_arrive():
-    lines = _tool("replica_timeline.py", "2.5", "1", "r1").splitlines()
+    lines = run_bench_tool("replica_timeline.py", "2.5", "1", "r1").splitlines()
     assert lines[0].startswith("  0.0 s") and "learned False" in lines[0]
     last = lines[-1].split()
     assert float(last[last.index("slowness") + 1]) > 1.5  # counted slow within the window it prints
