@@ -12,7 +12,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from .policies import STRATEGY_NAMES
+from .policies import STRATEGY_NAMES, bench_overrides
 from .results import (
     Result,
     format_table,
@@ -50,7 +50,8 @@ def run_compare(args: argparse.Namespace) -> int:
     print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, "
           f"max_loras {scenario.max_loras}, {scenario.connections} connections, deadline {scenario.deadline_s:.0f} s "
           f"(simulated); mode {args.mode}; gateways {args.gateways}; prompts {scenario.prompt_shape}"
-          + (f" ({scenario.prompt_chars} chars)" if scenario.prompt_shape != "seed" else ""))
+          + (f" ({scenario.prompt_chars} chars)" if scenario.prompt_shape != "seed" else "")
+          + (f"; plugin settings {bench_overrides(args)}" if getattr(args, "settings", None) else ""))
     results = _run(scenario, strategies, args, args.gateways)
     if args.gateways > 1 and "lora-affinity" in strategies:
         (one,) = _run(scenario, ["lora-affinity"], args, 1)
@@ -113,9 +114,12 @@ def _run(scenario, strategies: list[str], args: argparse.Namespace, gateways: in
 def _run_fast(scenario, strategies: list[str], args: argparse.Namespace, gateways: int,
               merge: Callable[[list[Result]], Result] = median_result, desc: str = "fast mode",
               overrides: dict | None = None) -> list[Result]:
-    """Each strategy over --seeds seeds in fast mode, merged into one row by `merge`."""
+    """Each strategy over --seeds seeds in fast mode, merged into one row by `merge`; `--set` settings apply to the
+    plugin's strategies, as in live mode."""
     from .fast import run_fast
 
+    if overrides is None:
+        overrides = bench_overrides(args)
     seeds = range(args.seed, args.seed + max(1, args.seeds))
     results = []
     with tqdm(total=len(strategies) * len(seeds), desc=desc, unit="run", leave=False) as bar:

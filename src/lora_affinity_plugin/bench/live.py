@@ -33,7 +33,7 @@ from ..processes import (
     wait_port,
     wait_proxy,
 )
-from .policies import RULE_SETS
+from .policies import RULE_SETS, bench_overrides
 from .loadgen import run_load
 from .open_loop import run_open_loop
 from .prefix_workloads import PrefixWorkload
@@ -46,19 +46,6 @@ PLUGIN_RULES = {**RULE_SETS,
                 "lora-affinity-unpooled": {"pooled_clients": False}}
 LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random"}
 DEFAULT_SPEED = 10.0
-
-
-def bench_overrides(args: argparse.Namespace) -> dict:
-    """`--set NAME=VALUE` words, validated as plugin settings (a bad one stops the run with its reason)."""
-    from ..live_settings import parse_assignments
-    from ..settings import SettingsError, build_settings
-
-    values = parse_assignments(getattr(args, "settings", None) or [])
-    try:
-        build_settings(values, environ={})
-    except SettingsError as exc:
-        raise SystemExit(f"--set: {exc}") from None
-    return values
 
 
 def plugin_settings(speed: float, overrides: dict) -> dict:

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from .latency import median_latency, rates_of
-from .live import bench_overrides
+from .policies import bench_overrides
 from .results import Result, refusal, write_json
 from .scenarios import at_rate, get_scenario
 

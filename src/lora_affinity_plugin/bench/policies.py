@@ -7,6 +7,7 @@ snapshots that age like the scraper's.
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections import defaultdict, deque
 
@@ -295,3 +296,16 @@ def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | 
         return Rules(replicas, rng, build_settings({**RULE_SETS[name], **(overrides or {})}, environ={}), name)
     choices = [*STRATEGY_NAMES, *sorted(set(RULE_SETS) - set(STRATEGY_NAMES)), "static-partition", "prefix-partition"]
     raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(choices)}")
+
+
+def bench_overrides(args: argparse.Namespace) -> dict:
+    """`--set NAME=VALUE` words, validated as plugin settings (a bad one stops the run with its reason)."""
+    from ..live_settings import parse_assignments
+    from ..settings import SettingsError
+
+    values = parse_assignments(getattr(args, "settings", None) or [])
+    try:
+        build_settings(values, environ={})
+    except SettingsError as exc:
+        raise SystemExit(f"--set: {exc}") from None
+    return values
