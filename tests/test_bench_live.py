@@ -2,9 +2,8 @@
 
 import json
 import os
-import time
-
 import subprocess
+import time
 
 from procs import CLI, child_env, run_cli as run
 

@@ -16,7 +16,7 @@ from ..inflight import PeerShare
 from ..prefix_index import SHARE_MAX_BLOCKS
 from ..rates import RateTracker, decode_load
 from ..scheduling import NoCapacity, PodMetrics, Shed, choose_pod
-from ..settings import Settings, build_settings
+from ..settings import Settings, SettingsError, build_settings
 from ..store import PodRecord
 
 BASE_MODEL = "meta-llama/Llama-2-7b-hf"
@@ -301,7 +301,6 @@ def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | 
 def bench_overrides(args: argparse.Namespace) -> dict:
     """`--set NAME=VALUE` words, validated as plugin settings (a bad one stops the run with its reason)."""
     from ..live_settings import parse_assignments
-    from ..settings import SettingsError
 
     values = parse_assignments(getattr(args, "settings", None) or [])
     try:
