@@ -12,7 +12,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from .policies import STRATEGY_NAMES, bench_overrides
+from .policies import STRATEGY_NAMES, bench_overrides, settings_note
 from .results import (
     Result,
     format_table,
@@ -51,7 +51,7 @@ def run_compare(args: argparse.Namespace) -> int:
           f"max_loras {scenario.max_loras}, {scenario.connections} connections, deadline {scenario.deadline_s:.0f} s "
           f"(simulated); mode {args.mode}; gateways {args.gateways}; prompts {scenario.prompt_shape}"
           + (f" ({scenario.prompt_chars} chars)" if scenario.prompt_shape != "seed" else "")
-          + (f"; plugin settings {bench_overrides(args)}" if getattr(args, "settings", None) else ""))
+          + settings_note(args))
     results = _run(scenario, strategies, args, args.gateways)
     if args.gateways > 1 and "lora-affinity" in strategies:
         (one,) = _run(scenario, ["lora-affinity"], args, 1)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .policies import PREFIX_STRATEGIES, bench_overrides
+from .policies import PREFIX_STRATEGIES, settings_note
 from .results import Result, refusal, write_json
 from .scenarios import Scenario, at_rate, get_scenario
 
@@ -40,7 +40,7 @@ def run_latency(args: argparse.Namespace) -> int:
     rates = rates_of(args, scenario)
     print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, {scenario.duration_s:.0f} s "
           f"of arrivals per rate (simulated); mode {args.mode}; gateways {args.gateways}; rates {rates} req/s"
-          + (f"; plugin settings {bench_overrides(args)}" if getattr(args, "settings", None) else ""))
+          + settings_note(args))
     results: list[Result] = []
     for rate in rates:
         at = at_rate(scenario, rate)

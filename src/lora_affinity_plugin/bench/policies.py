@@ -308,3 +308,9 @@ def bench_overrides(args: argparse.Namespace) -> dict:
     except SettingsError as exc:
         raise SystemExit(f"--set: {exc}") from None
     return values
+
+
+def settings_note(args: argparse.Namespace) -> str:
+    """What a run's header says of its `--set` settings: nothing when there are none."""
+    overrides = bench_overrides(args)
+    return f"; plugin settings {overrides}" if overrides else ""
