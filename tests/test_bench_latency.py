@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 
 from procs import run_bench_tool
 
@@ -77,3 +78,19 @@ def test_replica_timeline_prints_a_half_speed_replica_s_rates_as_they_arrive():
     assert lines[0].startswith("  0.0 s") and "learned False" in lines[0]
     last = lines[-1].split()
     assert float(last[last.index("slowness") + 1]) > 1.5  # counted slow within the window it prints
+
+
+def test_disk_reloads_counts_the_loads_from_disk_and_none_when_every_adapter_fits():
+    """`bench-tools/disk_reloads.py`: where mixed's goodput goes. The scenario's replicas keep 12 of its 16 adapters
+    in CPU memory, so some requests load theirs from disk, each attributed to the decision that sent it; with room
+    for all 16 none does."""
+    def loads(output: str) -> float:
+        return float(re.search(r"loads from disk per run (\S+)", output).group(1))
+
+    scarce = run_bench_tool("disk_reloads.py", "mixed", "4.2", "2")
+    roomy = run_bench_tool("disk_reloads.py", "mixed", "4.2", "2", "16")
+    assert "max_cpu_loras 12" in scarce and "max_cpu_loras 16" in roomy
+    assert loads(scarce) > 0 and loads(roomy) == 0
+    attributed = [int(n) for n in re.findall(r"^ +(\d+)  \w+, ", scarce, re.M)]
+    assert attributed and sum(attributed) == round(2 * loads(scarce))  # the two runs' loads (the median of two is their mean)
+    assert re.search(r"mean KV-cache use 0\.\d\d, mean queue per replica \d+\.\d\d, TTFT p90 \d+\.\d\d s", roomy)
