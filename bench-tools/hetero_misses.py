@@ -52,7 +52,10 @@ def _one_seed(args: tuple[float, int]) -> list[tuple[str, bool, float, bool, boo
         return summarize(strategy, name, mode, ordered, *rest)
 
     fast.summarize_classes = keep
-    fast.run_fast(at_rate(get_scenario("mixed-hetero"), rate), "lora-affinity", seed)
+    try:
+        fast.run_fast(at_rate(get_scenario("mixed-hetero"), rate), "lora-affinity", seed)
+    finally:  # a pool's worker runs several seeds: the next one hooks the originals, not these
+        policies.Rules.route, fast.summarize_classes = route, summarize
     return [(kind, half, o.ttft_s if o.ttft_s is not None else float("inf"), slow, early)
             for (kind, half, slow, early), o in zip((sent[i] for i in sorted(sent)), outcomes)]
 
