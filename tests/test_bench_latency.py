@@ -3,8 +3,10 @@
 import json
 import random
 import re
+import subprocess
+import sys
 
-from procs import run_bench_tool
+from procs import BENCH_TOOLS, child_env, run_bench_tool
 
 from lora_affinity_plugin.bench.latency import mixed_goals_summary, seed_interval
 from lora_affinity_plugin.bench.results import Result
@@ -94,3 +96,27 @@ def test_disk_reloads_counts_the_loads_from_disk_and_none_when_every_adapter_fit
     attributed = [int(n) for n in re.findall(r"^ +(\d+)  \w+, ", scarce, re.M)]
     assert attributed and sum(attributed) == round(2 * loads(scarce))  # the two runs' loads (the median of two is their mean)
     assert re.search(r"mean KV-cache use 0\.\d\d, mean queue per replica \d+\.\d\d, TTFT p90 \d+\.\d\d s", roomy)
+
+
+def test_ttft_causes_charges_each_wait_to_one_cause_and_the_oracle_sees_replicas_now():
+    """`bench-tools/ttft_causes.py`: where mixed's TTFT goes. Past the knee the requests over 1 s mostly wait for
+    room in a replica's KV cache; the causes add up to most of each request's TTFT, never more; a rule that sends
+    nothing to a full replica (`--oracle fit`) cuts that wait, and trades it for waits for a LoRA slot."""
+    def causes(output: str, label: str) -> tuple[float, list[float]]:
+        row = re.search(rf"^  {label} +\d+ +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)$", output, re.M)
+        return float(row.group(1)), [float(x) for x in row.groups()[1:]]
+
+    scraped = run_bench_tool("ttft_causes.py", "mixed", "5", "2")
+    fit = run_bench_tool("ttft_causes.py", "mixed", "5", "2", "--oracle", "fit")
+    assert "oracle fit" in fit and "oracle" not in scraped
+    ttft, parts = causes(scraped, "all")
+    assert 0.6 * ttft < sum(parts) <= ttft  # the rest is the gateway's: dispatch, the first token's delivery
+    slow_ttft, slow_parts = causes(scraped, "over 1 s")
+    own, behind, kv_room, lora_slot = slow_parts
+    assert slow_ttft > 1 and kv_room == max(slow_parts) and kv_room > 0.5 * slow_ttft
+    _, fit_parts = causes(fit, "all")
+    assert fit_parts[2] < parts[2] and fit_parts[3] > 2 * parts[3]
+    refused = subprocess.run([sys.executable, str(BENCH_TOOLS / "ttft_causes.py"), "mixed", "5", "1", "simple-shuffle",
+                              "--oracle", "kv"], capture_output=True, text=True, timeout=120,
+                             env=child_env(PYTHONPATH=str(BENCH_TOOLS.parent / "src")))
+    assert refused.returncode == 2 and "--oracle needs one of the plugin's rule sets" in refused.stderr

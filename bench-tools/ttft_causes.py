@@ -1,0 +1,149 @@
+"""Where time to first token goes in fast mode, and what pod data no scrape gives would buy.
+
+Runs the fast bench for seeds 1-N and charges every engine step a request spends before its first token to
+one cause:
+- ``own prefill``: the prefill step that computes it (an adapter load from disk in that step included);
+- ``behind prefill``: another prefill step, that did not take it (behind the requests it took, or over the
+  step's token budget);
+- ``KV room``: a decode step, while it waited: the replica could not admit it, because its KV cache had no
+  room for it or for a request ahead of it in the queue (vLLM's scheduler admits first come, first served);
+- ``LoRA slot``: a step while it waited because its adapter would be a (max_loras + 1)-th in the batch.
+The rest of TTFT is the gateway's (dispatch, the first token's delivery). Prints the mean seconds per request
+of each cause, for all requests and for those over 1 s, the replicas' preemptions per run and TTFT p90.
+
+`--oracle` hands the rules what no scrape gives, at the moment of each decision (the strategy must be one of
+the plugin's rule sets): ``kv``, each replica's free KV cache now; ``state``, its free KV, KV use and queue
+now; ``fit``, only the replicas with no queue and room for the prompt now, when there are any. It bounds
+what fresher metrics, or a rule that sends nothing to a full replica, could win.
+
+    .venv/bin/python bench-tools/ttft_causes.py SCENARIO RATE SEEDS [STRATEGY] [--oracle kv|state|fit]
+    # e.g. ttft_causes.py mixed 4.4 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+
+from lora_affinity_plugin.bench import fast, policies
+from lora_affinity_plugin.bench.latency import TTFT_TARGET_S
+from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+from lora_affinity_plugin.sim.engine import ReplicaEngine
+
+CAUSES = ("own prefill", "behind prefill", "KV room", "LoRA slot")
+ORACLES = ("kv", "state", "fit")
+
+
+def _one_seed(args: tuple[str, float, int, str, str | None]) -> tuple[list[tuple[float, dict]], int, float]:
+    """Per request (TTFT, seconds by cause), the run's preemptions, and its TTFT p90."""
+    name, rate, seed, strategy, oracle = args
+    waited: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    engines: list[ReplicaEngine] = []
+    admit, plan, made, choose = ReplicaEngine._admit, ReplicaEngine.plan_step, ReplicaEngine.__init__, policies.choose_pod
+    left: dict[int, list[tuple[object, str]]] = {}  # id(engine) -> the requests its last admission left waiting
+
+    def making(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        engines.append(self)
+
+    def admitting(self):
+        queue = list(self.waiting)
+        admitted, cost = admit(self)
+        taken = set(map(id, admitted))
+        batch = {s.adapter for s in self.running if s.adapter} | {s.adapter for s in admitted if s.adapter}
+        full = len(batch) >= self.config.max_loras
+        left[id(self)] = [(s, "LoRA slot" if s.adapter and full and s.adapter not in batch else "")
+                          for s in queue if id(s) not in taken]
+        return admitted, cost
+
+    def planning(self):
+        duration_s = plan(self) / 1000
+        kind = self._planned[0] if self._planned else None
+        for seq, cause in left.pop(id(self), ()):
+            if seq.first_token_at is None:
+                waited[seq.request_id][cause or ("behind prefill" if kind == "prefill" else "KV room")] += duration_s
+        if kind == "prefill":
+            for seq in self._planned[1]:
+                if seq.first_token_at is None:
+                    waited[seq.request_id]["own prefill"] += duration_s
+        return duration_s * 1000
+
+    def choosing(candidates, request, settings, rng, **kwargs):
+        return choose(_as_oracle_sees(candidates, request, settings, engines, oracle), request, settings, rng, **kwargs)
+
+    outcomes: list = []
+    summarize = fast.summarize_classes
+
+    def keeping(strategy_name, scenario_name, mode, ordered, *rest):
+        outcomes.extend(ordered)
+        return summarize(strategy_name, scenario_name, mode, ordered, *rest)
+
+    ReplicaEngine._admit, ReplicaEngine.plan_step, ReplicaEngine.__init__ = admitting, planning, making
+    fast.summarize_classes = keeping
+    if oracle:
+        policies.choose_pod = choosing
+    try:
+        result = fast.run_fast(at_rate(get_scenario(name), rate), strategy, seed)
+    finally:  # a pool's worker runs several seeds: the next one hooks the originals, not these
+        ReplicaEngine._admit, ReplicaEngine.plan_step, ReplicaEngine.__init__ = admit, plan, made
+        fast.summarize_classes, policies.choose_pod = summarize, choose
+    rows = [(o.ttft_s if o.ttft_s is not None else float("inf"), dict(waited.get(str(i), {})))
+            for i, o in enumerate(outcomes)]  # (fast mode names each request's sequence by its index)
+    return rows, sum(e.preemptions for e in engines), result.ttft_s.get("p90", float("nan"))
+
+
+def _as_oracle_sees(candidates, request, settings, engines: list[ReplicaEngine], oracle: str | None):
+    """The candidates with the replicas' state now (`oracle`), instead of at their last scrape."""
+    if not oracle:
+        return candidates
+    now = []
+    for candidate in candidates:
+        engine = engines[int(candidate.key[1:])]  # the fast bench names replica i "r{i}"
+        fresh = {"kv_free_tokens": engine.free_blocks * engine.config.block_size}
+        if oracle == "state":
+            fresh.update(kv_cache_usage=1 - engine.free_blocks / engine.config.kv_blocks,
+                         reported_waiting=len(engine.waiting))
+        now.append(dataclasses.replace(candidate, **fresh))
+    if oracle == "fit":
+        tokens = request.prefix_blocks * settings.prefix_block_chars / settings.prefix_chars_per_token
+        fits = [c for c, e in zip(now, (engines[int(c.key[1:])] for c in now))
+                if not e.waiting and c.kv_free_tokens >= tokens]
+        return fits or now
+    return now
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario")
+    parser.add_argument("rate", type=float)
+    parser.add_argument("seeds", type=int)
+    parser.add_argument("strategy", nargs="?", default="lora-affinity")
+    parser.add_argument("--oracle", choices=ORACLES)
+    args = parser.parse_args()
+    if args.oracle and args.strategy not in policies.RULE_SETS:
+        parser.error(f"--oracle needs one of the plugin's rule sets ({', '.join(policies.RULE_SETS)}), "
+                     f"not {args.strategy!r}")
+    jobs = [(args.scenario, args.rate, seed, args.strategy, args.oracle) for seed in range(1, args.seeds + 1)]
+    with ProcessPoolExecutor(2) as pool:
+        runs = list(pool.map(_one_seed, jobs))
+    rows = [row for seed_rows, _, _ in runs for row in seed_rows]
+    print(f"{args.scenario} at {args.rate:g} req/s, {args.strategy}, seeds 1-{args.seeds}"
+          f"{f', oracle {args.oracle}' if args.oracle else ''}: TTFT p90 {statistics.median(r[2] for r in runs):.2f} s, "
+          f"preemptions {statistics.median(r[1] for r in runs):g} per run (medians over the seeds)")
+    print(f"  {'requests':<10}{'count':>7}{'TTFT':>8}" + "".join(f"{c:>16}" for c in CAUSES) + "   (mean s per request)")
+    for label, chosen in (("all", rows), ("over 1 s", [r for r in rows if r[0] > TTFT_TARGET_S])):
+        if not chosen:
+            continue
+        finite = [t for t, _ in chosen if t != float("inf")]
+        totals: collections.Counter = collections.Counter()
+        for _, causes in chosen:
+            totals.update(causes)
+        print(f"  {label:<10}{len(chosen):>7}{statistics.fmean(finite) if finite else float('nan'):>8.3f}"
+              + "".join(f"{totals[c] / len(chosen):>16.3f}" for c in CAUSES))
+
+
+if __name__ == "__main__":
+    main()
