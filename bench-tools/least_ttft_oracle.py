@@ -1,0 +1,121 @@
+"""What routing by the least predicted TTFT could reach, with a perfect prediction.
+
+A reference no gateway can run: for each request it copies every simulated replica as it is at that moment
+(its queue, its batch, its KV cache and LoRA slots, the output lengths its running requests will reach), adds
+the request to the copy, runs the copy forward until the request's first token, and sends the request where
+that comes soonest (ties: the fewest requests there). It sees no future arrival, and weighs no harm to the
+requests already there. So it bounds what a better TTFT estimate (what llm-d's predicted-latency profile
+learns) could win with greedy placement, not what every policy could.
+
+Prints TTFT p90 and completions per rate (medians over seeds), beside the strategies named, in one run.
+
+    .venv/bin/python bench-tools/least_ttft_oracle.py SCENARIO RATES SEEDS [STRATEGY,...]
+    # e.g. least_ttft_oracle.py mixed 4,4.4,5,5.2 10 lora-affinity,lora-affinity-noprefix
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from lora_affinity_plugin.bench import fast
+from lora_affinity_plugin.bench.policies import Policy
+from lora_affinity_plugin.bench.scenarios import SEED_PROMPT, at_rate, get_scenario
+from lora_affinity_plugin.sim.engine import ReplicaEngine, Sequence
+from lora_affinity_plugin.sim.kv_cache import block_hashes, count_tokens, prompt_text
+
+NAME = "least-ttft-oracle"
+MAX_STEPS = 5000
+"""Steps a copy runs before the request counts as never starting there."""
+
+
+class LeastTtftOracle(Policy):
+    name = NAME
+
+    def __init__(self, replicas: int, rng: random.Random, engines: list[ReplicaEngine], step_ends: dict[int, float],
+                 max_tokens: int) -> None:
+        super().__init__(replicas, rng)
+        self.engines, self.step_ends, self.max_tokens = engines, step_ends, max_tokens
+        self.in_flight = [0] * replicas
+
+    def route(self, adapter, connection, now, call_id="", messages=None, group=0, sheddable=False) -> int:
+        text = prompt_text({"messages": messages}) if messages else SEED_PROMPT
+        ttfts = [self._ttft(r, adapter, text, now) for r in range(self.replicas)]
+        best = min(ttfts)
+        equal = [r for r, t in enumerate(ttfts) if t <= best + 1e-9]
+        choice = min(equal, key=lambda r: (self.in_flight[r], self.rng.random()))
+        self.in_flight[choice] += 1
+        return choice
+
+    def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
+        self.in_flight[replica] -= 1
+
+    def _ttft(self, replica: int, adapter: str | None, text: str, now: float) -> float:
+        engine = copy.deepcopy(self.engines[replica])
+        seq = Sequence("oracle", adapter, count_tokens(text), engine.output_length(self.max_tokens), arrival=now,
+                       block_hashes=block_hashes(text, adapter, None, engine.config.block_size), prompt_text=text)
+        t = now
+        if engine._planned is not None:  # the step in flight ends when the fast bench's event says
+            t = self.step_ends.get(replica, now)
+            engine.finish_step(t)
+        engine.add(seq, now)
+        for _ in range(MAX_STEPS):
+            duration_ms = engine.plan_step()
+            if duration_ms <= 0:
+                break
+            t += duration_ms / 1000
+            engine.finish_step(t)
+            if seq.first_token_at is not None:
+                return seq.first_token_at - now
+        return float("inf")
+
+
+def _one(args: tuple[str, float, int, str]) -> tuple[float, int]:
+    name, rate, seed, strategy = args
+    scenario = at_rate(get_scenario(name), rate)
+    if strategy != NAME:
+        result = fast.run_fast(scenario, strategy, seed)
+        return result.ttft_s.get("p90", float("nan")), result.completed
+    engines: list[ReplicaEngine] = []
+    step_ends: dict[int, float] = {}
+    make_engines, make_policy, heappush = fast.make_engines, fast.make_policy, fast.heapq.heappush
+
+    def making(*a, **k):
+        engines.extend(make_engines(*a, **k))
+        return engines
+
+    def pushing(heap, item):
+        at, _, kind, data = item
+        if kind == "step":
+            step_ends[data] = at
+        heappush(heap, item)
+
+    fast.make_engines = making
+    fast.make_policy = lambda _, replicas, rng, overrides=None: LeastTtftOracle(replicas, rng, engines, step_ends,
+                                                                                  scenario.max_tokens)
+    fast.heapq.heappush = pushing
+    try:
+        result = fast.run_fast(scenario, NAME, seed)
+    finally:
+        fast.make_engines, fast.make_policy, fast.heapq.heappush = make_engines, make_policy, heappush
+    return result.ttft_s.get("p90", float("nan")), result.completed
+
+
+def main(name: str, rates: str, seeds: str, strategies: str = "lora-affinity") -> None:
+    names = [NAME, *strategies.split(",")]
+    print(f"{name}, TTFT p90 in s (completed), medians over seeds 1-{seeds}")
+    print("rate  " + "".join(f"{n:>26}" for n in names))
+    with ProcessPoolExecutor(2) as pool:
+        for rate in map(float, rates.split(",")):
+            cells = []
+            for strategy in names:
+                runs = list(pool.map(_one, [(name, rate, s, strategy) for s in range(1, int(seeds) + 1)]))
+                cells.append(f"{statistics.median(r[0] for r in runs):.2f} ({statistics.median(r[1] for r in runs):g})")
+            print(f"{rate:<6g}" + "".join(f"{c:>26}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
