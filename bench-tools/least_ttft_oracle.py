@@ -7,7 +7,10 @@ that comes soonest (ties: the fewest requests there). It sees no future arrival,
 requests already there. So it bounds what a better TTFT estimate (what llm-d's predicted-latency profile
 learns) could win with greedy placement, not what every policy could.
 
-Prints TTFT p90 and completions per rate (medians over seeds), beside the strategies named, in one run.
+Prints TTFT p90 and completions per rate (medians over seeds), beside the strategies named, in one run; then,
+over all runs of each strategy, where it sent requests: the share to replicas slower than the fleet's fastest, and
+the adapter requests by where their adapter was on the replica chosen (running there, in a GPU slot, in CPU
+memory, or to be loaded from disk).
 
     .venv/bin/python bench-tools/least_ttft_oracle.py SCENARIO RATES SEEDS [STRATEGY,...]
     # e.g. least_ttft_oracle.py mixed 4,4.4,5,5.2 10 lora-affinity,lora-affinity-noprefix
@@ -15,6 +18,7 @@ Prints TTFT p90 and completions per rate (medians over seeds), beside the strate
 
 from __future__ import annotations
 
+import collections
 import copy
 import random
 import statistics
@@ -73,14 +77,13 @@ class LeastTtftOracle(Policy):
         return float("inf")
 
 
-def _one(args: tuple[str, float, int, str]) -> tuple[float, int]:
+def _one(args: tuple[str, float, int, str]) -> tuple[float, int, collections.Counter]:
+    """TTFT p90, completions, and where the requests went (`_where`)."""
     name, rate, seed, strategy = args
     scenario = at_rate(get_scenario(name), rate)
-    if strategy != NAME:
-        result = fast.run_fast(scenario, strategy, seed)
-        return result.ttft_s.get("p90", float("nan")), result.completed
     engines: list[ReplicaEngine] = []
     step_ends: dict[int, float] = {}
+    where: collections.Counter = collections.Counter()
     make_engines, make_policy, heappush = fast.make_engines, fast.make_policy, fast.heapq.heappush
 
     def making(*a, **k):
@@ -93,19 +96,49 @@ def _one(args: tuple[str, float, int, str]) -> tuple[float, int]:
             step_ends[data] = at
         heappush(heap, item)
 
-    fast.make_engines = making
-    fast.make_policy = lambda _, replicas, rng, overrides=None: LeastTtftOracle(replicas, rng, engines, step_ends,
-                                                                                  scenario.max_tokens)
-    fast.heapq.heappush = pushing
+    def making_policy(strategy_name, replicas, rng, overrides=None):
+        policy = LeastTtftOracle(replicas, rng, engines, step_ends, scenario.max_tokens) if strategy_name == NAME \
+            else make_policy(strategy_name, replicas, rng, overrides)
+        route = policy.route
+
+        def routing(adapter, connection, now, call_id="", messages=None, group=0, sheddable=False):
+            replica = route(adapter, connection, now, call_id, messages=messages, group=group, sheddable=sheddable)
+            if 0 <= replica < len(engines):
+                where.update(_where(engines, replica, adapter))
+            return replica
+
+        policy.route = routing
+        return policy
+
+    fast.make_engines, fast.make_policy, fast.heapq.heappush = making, making_policy, pushing
     try:
-        result = fast.run_fast(scenario, NAME, seed)
+        result = fast.run_fast(scenario, strategy, seed)
     finally:
         fast.make_engines, fast.make_policy, fast.heapq.heappush = make_engines, make_policy, heappush
-    return result.ttft_s.get("p90", float("nan")), result.completed
+    return result.ttft_s.get("p90", float("nan")), result.completed, where
+
+
+def _where(engines: list[ReplicaEngine], replica: int, adapter: str | None) -> list[str]:
+    engine = engines[replica]
+    labels = ["requests"]
+    if engine.config.speed < max(e.config.speed for e in engines):
+        labels.append("to a slower replica")
+    if adapter is not None:
+        labels.append("adapter requests")
+        if any(s.adapter == adapter for s in (*engine.running, *engine.waiting)):
+            labels.append("adapter running there")
+        elif adapter in engine.gpu:
+            labels.append("adapter in a GPU slot")
+        elif adapter in engine.cpu:
+            labels.append("adapter in CPU memory")
+        else:
+            labels.append("adapter loaded from disk")
+    return labels
 
 
 def main(name: str, rates: str, seeds: str, strategies: str = "lora-affinity") -> None:
     names = [NAME, *strategies.split(",")]
+    where = {strategy: collections.Counter() for strategy in names}
     print(f"{name}, TTFT p90 in s (completed), medians over seeds 1-{seeds}")
     print("rate  " + "".join(f"{n:>26}" for n in names))
     with ProcessPoolExecutor(2) as pool:
@@ -114,7 +147,16 @@ def main(name: str, rates: str, seeds: str, strategies: str = "lora-affinity") -
             for strategy in names:
                 runs = list(pool.map(_one, [(name, rate, s, strategy) for s in range(1, int(seeds) + 1)]))
                 cells.append(f"{statistics.median(r[0] for r in runs):.2f} ({statistics.median(r[1] for r in runs):g})")
+                for run in runs:
+                    where[strategy].update(run[2])
             print(f"{rate:<6g}" + "".join(f"{c:>26}" for c in cells), flush=True)
+    print("where the requests went, all runs:")
+    for strategy, counts in where.items():
+        adapters = counts["adapter requests"] or 1
+        parts = [f"{100 * counts['to a slower replica'] / (counts['requests'] or 1):.0f}% to a slower replica"] + [
+            f"{label} {100 * counts[label] / adapters:.0f}%" for label in
+            ("adapter running there", "adapter in a GPU slot", "adapter in CPU memory", "adapter loaded from disk")]
+        print(f"  {strategy:<24}" + "; ".join(parts))
 
 
 if __name__ == "__main__":
