@@ -8,7 +8,7 @@ one cause:
 - ``KV room``: a decode step, while it waited: the replica could not admit it, because its KV cache had no
   room for it or for a request ahead of it in the queue (vLLM's scheduler admits first come, first served);
 - ``LoRA slot``: a step while it waited because its adapter would be a (max_loras + 1)-th in the batch.
-The rest of TTFT is the gateway's (dispatch, the first token's delivery). Prints the mean seconds per request
+The rest of TTFT is what no step charges: the part of the step in flight when the request arrived. Prints the mean seconds per request
 of each cause, for all requests and for those over 1 s, the replicas' preemptions per run and TTFT p90.
 
 `--oracle` hands the rules what no scrape gives, at the moment of each decision (the strategy must be one of
@@ -109,8 +109,7 @@ def _as_oracle_sees(candidates, request, settings, engines: list[ReplicaEngine],
         now.append(dataclasses.replace(candidate, **fresh))
     if oracle == "fit":
         tokens = request.prefix_blocks * settings.prefix_block_chars / settings.prefix_chars_per_token
-        fits = [c for c, e in zip(now, (engines[int(c.key[1:])] for c in now))
-                if not e.waiting and c.kv_free_tokens >= tokens]
+        fits = [c for c in now if not engines[int(c.key[1:])].waiting and c.kv_free_tokens >= tokens]
         return fits or now
     return now
 
