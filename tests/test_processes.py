@@ -1,5 +1,6 @@
 """The process helpers the benchmarks, the demo and the end-to-end tests start their stacks with."""
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,26 @@ def test_a_proxy_that_never_answered_is_started_once_more_and_one_that_exited_is
     with pytest.raises(TimeoutError, match="stalled again"):
         processes.litellm_proxy(Path("c.yaml"), 4000, Path("."), name="proxy")
     assert started == ["proxy", "proxy-again"]  # once more, not forever
+
+
+def test_free_port_never_gives_out_the_same_port_twice(monkeypatch):
+    """Callers take several ports before binding any (Redis, then the replicas): a port the kernel offers again
+    must not be handed to two of them (the soak once started a replica on Redis's port)."""
+    offered = iter([40001, 40001, 40002, 40001, 40003])
+
+    class _Socket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(processes, "_HANDED_OUT", collections.deque(maxlen=1024), raising=False)  # (a fresh memory)
+    monkeypatch.setattr(processes.socket, "socket", _Socket)
+    assert [processes.free_port() for _ in range(3)] == [40001, 40002, 40003]

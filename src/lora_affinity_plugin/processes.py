@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -24,10 +25,23 @@ import yaml
 MASTER_KEY = os.environ.get("LITELLM_MASTER_KEY", "sk-lora-affinity-local")
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=1024)
+"""Ports `free_port` gave out lately in this process."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process has not given out lately.
+
+    Callers pick several ports before starting what binds them, and the kernel offers a port just
+    closed again: the soak once gave Redis and a replica the same one, and the replica never started."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise RuntimeError("no free port that this process has not given out lately")
 
 
 def free_port_range(count: int) -> int:
