@@ -18,16 +18,16 @@ memory, or to be loaded from disk).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import random
 import statistics
-import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from lora_affinity_plugin.bench import fast
-from lora_affinity_plugin.bench.policies import Policy
-from lora_affinity_plugin.bench.scenarios import SEED_PROMPT, at_rate, get_scenario
+from lora_affinity_plugin.bench.policies import RULE_SETS, STRATEGY_NAMES, Policy
+from lora_affinity_plugin.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario
 from lora_affinity_plugin.sim.engine import ReplicaEngine, Sequence
 from lora_affinity_plugin.sim.kv_cache import block_hashes, count_tokens, prompt_text
 
@@ -136,16 +136,39 @@ def _where(engines: list[ReplicaEngine], replica: int, adapter: str | None) -> l
     return labels
 
 
-def main(name: str, rates: str, seeds: str, strategies: str = "lora-affinity") -> None:
-    names = [NAME, *strategies.split(",")]
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(word) for word in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"RATES must be requests per second separated by commas, not {text!r}")
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"RATES must be positive, not {text!r}")
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", choices=[s.name for s in SCENARIOS.values() if s.open_loop],
+                        help="an open-loop scenario")
+    parser.add_argument("rates", type=_rates, help="requests per second, e.g. 4,4.4,5")
+    parser.add_argument("seeds", type=int, help="seeds 1..SEEDS")
+    parser.add_argument("strategies", nargs="?", default="lora-affinity", help="beside the oracle, comma-separated")
+    args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error(f"SEEDS must be at least 1, not {args.seeds}")
+    known = {*STRATEGY_NAMES, *RULE_SETS, "static-partition", "prefix-partition"}
+    unknown = [n for n in args.strategies.split(",") if n not in known]
+    if unknown:
+        parser.error(f"unknown strategy {unknown[0]!r}; choose from: {', '.join(sorted(known))}")
+    names = [NAME, *args.strategies.split(",")]
     where = {strategy: collections.Counter() for strategy in names}
-    print(f"{name}, TTFT p90 in s (completed), medians over seeds 1-{seeds}")
+    print(f"{args.scenario}, TTFT p90 in s (completed), medians over seeds 1-{args.seeds}")
     print("rate  " + "".join(f"{n:>26}" for n in names))
     with ProcessPoolExecutor(2) as pool:
-        for rate in map(float, rates.split(",")):
+        for rate in args.rates:
             cells = []
             for strategy in names:
-                runs = list(pool.map(_one, [(name, rate, s, strategy) for s in range(1, int(seeds) + 1)]))
+                runs = list(pool.map(_one, [(args.scenario, rate, s, strategy) for s in range(1, args.seeds + 1)]))
                 cells.append(f"{statistics.median(r[0] for r in runs):.2f} ({statistics.median(r[1] for r in runs):g})")
                 for run in runs:
                     where[strategy].update(run[2])
@@ -160,4 +183,4 @@ def main(name: str, rates: str, seeds: str, strategies: str = "lora-affinity") -
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()

@@ -140,3 +140,15 @@ def test_the_least_ttft_oracle_sends_each_request_where_its_first_token_comes_so
     assert 98 <= sum(int(x) for x in shares.groups()) <= 102  # every adapter request in one of the four (rounded)
     equal = run_bench_tool("least_ttft_oracle.py", "mixed", "2", "1", "lora-affinity")
     assert to_slower(equal, "least-ttft-oracle") == to_slower(equal, "lora-affinity") == 0
+
+
+def test_the_least_ttft_oracle_names_the_argument_a_bad_value_is_for():
+    def refused(*args: str) -> str:
+        out = subprocess.run([sys.executable, str(BENCH_TOOLS / "least_ttft_oracle.py"), *args], capture_output=True,
+                             text=True, timeout=120, env=child_env(PYTHONPATH=str(BENCH_TOOLS.parent / "src")))
+        assert out.returncode == 2 and not out.stdout
+        return out.stderr
+
+    assert "RATES must be requests per second separated by commas, not '4,x'" in refused("mixed", "4,x", "1")
+    assert "invalid choice: 'seed'" in refused("seed", "4", "1")  # closed-loop: no arrival rate to sweep
+    assert "unknown strategy 'nosuch'" in refused("mixed", "4", "1", "lora-affinity,nosuch")
