@@ -26,7 +26,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 
 from lora_affinity_plugin.bench import fast
-from lora_affinity_plugin.bench.policies import RULE_SETS, STRATEGY_NAMES, Policy
+from lora_affinity_plugin.bench.policies import Policy, policy_names
 from lora_affinity_plugin.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario
 from lora_affinity_plugin.sim.engine import ReplicaEngine, Sequence
 from lora_affinity_plugin.sim.kv_cache import block_hashes, count_tokens, prompt_text
@@ -156,10 +156,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error(f"SEEDS must be at least 1, not {args.seeds}")
-    known = {*STRATEGY_NAMES, *RULE_SETS, "static-partition", "prefix-partition"}
-    unknown = [n for n in args.strategies.split(",") if n not in known]
+    unknown = [n for n in args.strategies.split(",") if n not in policy_names()]
     if unknown:
-        parser.error(f"unknown strategy {unknown[0]!r}; choose from: {', '.join(sorted(known))}")
+        parser.error(f"unknown strategy {unknown[0]!r}; choose from: {', '.join(policy_names())}")
     names = [NAME, *args.strategies.split(",")]
     where = {strategy: collections.Counter() for strategy in names}
     print(f"{args.scenario}, TTFT p90 in s (completed), medians over seeds 1-{args.seeds}")

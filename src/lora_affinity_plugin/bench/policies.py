@@ -294,8 +294,12 @@ def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | 
         return simple[name](replicas, rng)
     if name in RULE_SETS:
         return Rules(replicas, rng, build_settings({**RULE_SETS[name], **(overrides or {})}, environ={}), name)
-    choices = [*STRATEGY_NAMES, *sorted(set(RULE_SETS) - set(STRATEGY_NAMES)), "static-partition", "prefix-partition"]
-    raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(choices)}")
+    raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(policy_names())}")
+
+
+def policy_names() -> list[str]:
+    """Every name `make_policy` takes."""
+    return [*STRATEGY_NAMES, *sorted(set(RULE_SETS) - set(STRATEGY_NAMES)), "static-partition", "prefix-partition"]
 
 
 def bench_overrides(args: argparse.Namespace) -> dict:
