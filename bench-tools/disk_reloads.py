@@ -20,9 +20,44 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from lora_affinity_plugin.bench import fast, policies
+from lora_affinity_plugin.bench import fast
+from lora_affinity_plugin.bench.fast import FastObserver
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
-from lora_affinity_plugin.sim.engine import ReplicaEngine
+
+
+class _Loads(FastObserver):
+    """Each load from disk, by the decision that last sent its adapter to that replica; the scraped KV use and queue."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, str], tuple] = {}  # (replica, adapter) -> the decision that last sent it there
+        self.by_decision: collections.Counter = collections.Counter()
+        self.disk_loads = 0
+        self.scrapes: list[tuple[float, float]] = []
+        self.engines: list = []
+
+    def started(self, engines, policies) -> None:
+        self.engines = engines
+
+    def routed(self, now, request, replica, policy) -> None:
+        last = getattr(policy, "last", None)
+        if request.adapter is None or last is None:
+            return
+        decision, candidates, _ = last
+        pod = next(c for c in candidates if c.key == decision.pod)
+        self.sent[replica, request.adapter] = (decision.branch, request.adapter in pod.active_adapters,
+                                               request.adapter in pod.resident_adapters)
+
+    def planned(self, now, replica, queued, duration_s) -> None:
+        for adapter in self.engines[replica].step_disk_loads:
+            self.disk_loads += 1
+            branch, running, resident = self.sent.get((replica, adapter), ("not routed by the rules", False, False))
+            self.by_decision[f"{branch}, {'running' if running else 'not running'} there, "
+                             f"{'remembered' if resident else 'not remembered'} as resident"] += 1
+
+    def scraped(self, at, snapshots) -> None:
+        if 10 < at < 90:
+            self.scrapes.append((statistics.mean(s.kv_cache_usage for s in snapshots),
+                                 statistics.mean(s.num_requests_waiting for s in snapshots)))
 
 
 def _one_seed(args: tuple[str, float, int, int | None, str]) -> tuple[dict, collections.Counter]:
@@ -30,59 +65,10 @@ def _one_seed(args: tuple[str, float, int, int | None, str]) -> tuple[dict, coll
     scenario = at_rate(get_scenario(name), rate)
     if cpu_loras:
         scenario = replace(scenario, max_cpu_loras=cpu_loras)
-    sent: dict[tuple[int, str], tuple] = {}  # (replica, adapter) -> the decision that last sent it there
-    decision: dict = {}
-    by_decision: collections.Counter = collections.Counter()
-    disk_loads = 0
-    scrapes: list[tuple[float, float]] = []
-    replicas: dict[int, int] = {}  # id(engine) -> its index (engines are made in order)
-
-    choose, route, scraped = policies.choose_pod, policies.Rules.route, policies.Rules.scraped
-    made, load = ReplicaEngine.__init__, ReplicaEngine._adapter_cost_ms
-
-    def choosing(candidates, request, settings, rng, **kwargs):
-        chosen = choose(candidates, request, settings, rng, **kwargs)
-        pod = next(c for c in candidates if c.key == chosen.pod)
-        decision.update(branch=chosen.branch, running=request.adapter in pod.active_adapters,
-                        resident=request.adapter in pod.resident_adapters)
-        return chosen
-
-    def routing(self, adapter, connection, now, call_id="", messages=None, group=0, sheddable=False):
-        decision.clear()
-        replica = route(self, adapter, connection, now, call_id, messages=messages, group=group, sheddable=sheddable)
-        if adapter is not None and decision:
-            sent[replica, adapter] = (decision["branch"], decision["running"], decision["resident"])
-        return replica
-
-    def scraping(self, snapshots, gpu, at):
-        if 10 < at < 90:
-            scrapes.append((statistics.mean(s.kv_cache_usage for s in snapshots),
-                            statistics.mean(s.num_requests_waiting for s in snapshots)))
-        return scraped(self, snapshots, gpu, at)
-
-    def making(self, *a, **k):
-        made(self, *a, **k)
-        replicas[id(self)] = len(replicas)
-
-    def loading(self, adapter, protected):
-        nonlocal disk_loads
-        cost = load(self, adapter, protected)
-        if cost >= self.config.disk_load_ms:
-            disk_loads += 1
-            branch, running, resident = sent.get((replicas[id(self)], adapter), ("not routed by the rules", False, False))
-            by_decision[f"{branch}, {'running' if running else 'not running'} there, "
-                        f"{'remembered' if resident else 'not remembered'} as resident"] += 1
-        return cost
-
-    policies.choose_pod, policies.Rules.route, policies.Rules.scraped = choosing, routing, scraping
-    ReplicaEngine.__init__, ReplicaEngine._adapter_cost_ms = making, loading
-    try:
-        result = fast.run_fast(scenario, strategy, seed)
-    finally:  # a pool's worker runs several seeds: the next one hooks the originals, not these
-        policies.choose_pod, policies.Rules.route, policies.Rules.scraped = choose, route, scraped
-        ReplicaEngine.__init__, ReplicaEngine._adapter_cost_ms = made, load
-    return {"kv": statistics.mean(k for k, _ in scrapes), "queue": statistics.mean(q for _, q in scrapes),
-            "disk": disk_loads, "p90": result.ttft_s["p90"]}, by_decision
+    loads = _Loads()
+    result = fast.run_fast(scenario, strategy, seed, observer=loads)
+    return {"kv": statistics.mean(k for k, _ in loads.scrapes), "queue": statistics.mean(q for _, q in loads.scrapes),
+            "disk": loads.disk_loads, "p90": result.ttft_s["p90"]}, loads.by_decision
 
 
 def main(name: str = "mixed", rate: float = 4.2, seeds: int = 10, cpu_loras: int = 0,

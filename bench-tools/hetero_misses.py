@@ -16,7 +16,8 @@ import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from lora_affinity_plugin.bench import fast, policies
+from lora_affinity_plugin.bench import fast
+from lora_affinity_plugin.bench.fast import FastObserver
 from lora_affinity_plugin.bench.latency import TTFT_TARGET_S
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
 
@@ -29,35 +30,26 @@ def _kind(adapter: str | None, messages: list | None) -> str:
     return "8k" if chars > 7000 else "4k" if chars > 3500 else "1.5k" if chars > 1200 else "short"
 
 
+class _Labels(FastObserver):
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[str, bool, bool, bool]] = {}
+        self.ttft: dict[int, float] = {}
+
+    def routed(self, now, request, replica, policy) -> None:
+        pod = policy.fleet.scraped_view(f"r{replica}")  # the fast bench names replica i "r{i}"
+        slow = bool(pod and pod.slowness > 1)
+        self.sent[request.index] = (_kind(request.adapter, request.messages), replica % 2 == 1, slow, now < 20)
+
+    def ended(self, index, outcome) -> None:
+        self.ttft[index] = outcome.ttft_s if outcome.ttft_s is not None else float("inf")
+
+
 def _one_seed(args: tuple[float, int]) -> list[tuple[str, bool, float, bool, bool]]:
     """(kind, half-speed replica, TTFT, replica counted slow, sent in the first 20 s) per request."""
     rate, seed = args
-    sent: dict[int, tuple[str, bool, bool, bool]] = {}
-    route = policies.Rules.route
-
-    def labelled(self, adapter, connection, now, call_id="", messages=None, group=0, sheddable=False):
-        replica = route(self, adapter, connection, now, call_id, messages=messages, group=group, sheddable=sheddable)
-        key = self.keys[replica] if 0 <= replica < len(self.keys) else None
-        state = self.fleet._pods.get(key) if key else None
-        slow = bool(state and state.base and state.base.slowness > 1)
-        sent[int(call_id)] = (_kind(adapter, messages), replica % 2 == 1, slow, now < 20)
-        return replica
-
-    policies.Rules.route = labelled
-    outcomes: list = []
-    summarize = fast.summarize_classes
-
-    def keep(strategy, name, mode, ordered, *rest):
-        outcomes.extend(ordered)
-        return summarize(strategy, name, mode, ordered, *rest)
-
-    fast.summarize_classes = keep
-    try:
-        fast.run_fast(at_rate(get_scenario("mixed-hetero"), rate), "lora-affinity", seed)
-    finally:  # a pool's worker runs several seeds: the next one hooks the originals, not these
-        policies.Rules.route, fast.summarize_classes = route, summarize
-    return [(kind, half, o.ttft_s if o.ttft_s is not None else float("inf"), slow, early)
-            for (kind, half, slow, early), o in zip((sent[i] for i in sorted(sent)), outcomes)]
+    labels = _Labels()
+    fast.run_fast(at_rate(get_scenario("mixed-hetero"), rate), "lora-affinity", seed, observer=labels)
+    return [(kind, half, labels.ttft[i], slow, early) for i, (kind, half, slow, early) in sorted(labels.sent.items())]
 
 
 def main(rate: float = 2.25, seeds: int = 10) -> None:

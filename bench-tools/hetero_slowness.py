@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from lora_affinity_plugin.bench import policies
-from lora_affinity_plugin.bench.fast import run_fast
+from lora_affinity_plugin.bench.fast import FastObserver, run_fast
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
 
 SETTLED_S = 20.0
@@ -24,33 +23,42 @@ def _spread(values: list[float]) -> str:
     return " / ".join(f"{ordered[int(q * len(ordered))]:.2f}" for q in (0.1, 0.5, 0.9))
 
 
-def main(rate: float = 2.5, seeds: int = 5) -> None:
-    first_slow: dict[str, float] = {}
-    settled = {kind: {"slowness": [], "prefill": [], "decode": []} for kind in ("full", "half")}
-    scraped = policies.Rules.scraped
+class _Watch(FastObserver):
+    """Reads the gateway's fleet view after every scrape it takes in."""
 
-    def watch(self, snapshots, gpu, at) -> None:
-        scraped(self, snapshots, gpu, at)
-        for key, state in self.fleet._pods.items():
-            if state.base is None:
+    def __init__(self) -> None:
+        self.first_slow: dict[str, float] = {}
+        self.settled = {kind: {"slowness": [], "prefill": [], "decode": []} for kind in ("full", "half")}
+        self.fleet = None
+
+    def started(self, engines, policies) -> None:
+        self.fleet = policies[0].fleet
+        self.first_slow.clear()
+
+    def scraped(self, at, snapshots) -> None:
+        for i in range(len(snapshots)):
+            key = f"r{i}"  # the fast bench names replica i "r{i}"
+            pod = self.fleet.scraped_view(key)
+            if pod is None:
                 continue
-            kind = "half" if int(key[1:]) % 2 else "full"  # profiles speed=1;speed=0.5, dealt in turn
-            if kind == "half" and state.base.slowness > 1 and key not in first_slow:
-                first_slow[key] = at
+            kind = "half" if i % 2 else "full"  # profiles speed=1;speed=0.5, dealt in turn
+            if kind == "half" and pod.slowness > 1 and key not in self.first_slow:
+                self.first_slow[key] = at
             if at >= SETTLED_S:
-                figures = settled[kind]
-                figures["slowness"].append(state.base.slowness)
-                figures["prefill"].append(state.base.rates.prefill_factor)
-                figures["decode"].append(state.base.rates.decode_factor)
+                figures = self.settled[kind]
+                figures["slowness"].append(pod.slowness)
+                figures["prefill"].append(pod.rates.prefill_factor)
+                figures["decode"].append(pod.rates.decode_factor)
 
-    policies.Rules.scraped = watch
+
+def main(rate: float = 2.5, seeds: int = 5) -> None:
+    watch = _Watch()
     scenario = at_rate(get_scenario("mixed-hetero"), rate)
     for seed in range(1, seeds + 1):
-        first_slow.clear()
-        run_fast(scenario, "lora-affinity", seed)
+        run_fast(scenario, "lora-affinity", seed, observer=watch)
         print(f"seed {seed}: half-speed replicas first count slow at "
-              + ", ".join(f"{key} {at:.1f} s" for key, at in sorted(first_slow.items())))
-    for kind, figures in settled.items():
+              + ", ".join(f"{key} {at:.1f} s" for key, at in sorted(watch.first_slow.items())))
+    for kind, figures in watch.settled.items():
         at_one = sum(1 for s in figures["slowness"] if s == 1.0) / len(figures["slowness"])
         print(f"{kind}-speed replicas after {SETTLED_S:.0f} s: slowness 1.0 in {at_one:.1%} of scrapes; prefill factor "
               f"p10/p50/p90 {_spread(figures['prefill'])}; decode factor {_spread(figures['decode'])}")

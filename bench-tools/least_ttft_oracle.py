@@ -26,7 +26,8 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 
 from lora_affinity_plugin.bench import fast
-from lora_affinity_plugin.bench.policies import Policy, policy_names
+from lora_affinity_plugin.bench.fast import FastObserver
+from lora_affinity_plugin.bench.policies import Policy, make_policy, policy_names
 from lora_affinity_plugin.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario
 from lora_affinity_plugin.sim.engine import ReplicaEngine, Sequence
 from lora_affinity_plugin.sim.kv_cache import block_hashes, count_tokens, prompt_text
@@ -62,7 +63,7 @@ class LeastTtftOracle(Policy):
         seq = Sequence("oracle", adapter, count_tokens(text), engine.output_length(self.max_tokens), arrival=now,
                        block_hashes=block_hashes(text, adapter, None, engine.config.block_size), prompt_text=text)
         t = now
-        if engine._planned is not None:  # the step in flight ends when the fast bench's event says
+        if engine.planned is not None:  # the step in flight ends when the fast bench's event says
             t = self.step_ends.get(replica, now)
             engine.finish_step(t)
         engine.add(seq, now)
@@ -77,45 +78,39 @@ class LeastTtftOracle(Policy):
         return float("inf")
 
 
+class _Watch(FastObserver):
+    """The replicas (which the oracle copies), when each one's step in flight ends, and where requests went."""
+
+    def __init__(self) -> None:
+        self.engines: list[ReplicaEngine] = []
+        self.step_ends: dict[int, float] = {}
+        self.where: collections.Counter = collections.Counter()
+
+    def started(self, engines, policies) -> None:
+        self.engines.extend(engines)
+
+    def routed(self, now, request, replica, policy) -> None:
+        if 0 <= replica < len(self.engines):
+            self.where.update(_where(self.engines, replica, request.adapter))
+
+    def planned(self, now, replica, queued, duration_s) -> None:
+        if duration_s > 0:
+            self.step_ends[replica] = now + duration_s
+
+
 def _one(args: tuple[str, float, int, str]) -> tuple[float, int, collections.Counter]:
     """TTFT p90, completions, and where the requests went (`_where`)."""
     name, rate, seed, strategy = args
     scenario = at_rate(get_scenario(name), rate)
-    engines: list[ReplicaEngine] = []
-    step_ends: dict[int, float] = {}
-    where: collections.Counter = collections.Counter()
-    make_engines, make_policy, heappush = fast.make_engines, fast.make_policy, fast.heapq.heappush
-
-    def making(*a, **k):
-        engines.extend(make_engines(*a, **k))
-        return engines
-
-    def pushing(heap, item):
-        at, _, kind, data = item
-        if kind == "step":
-            step_ends[data] = at
-        heappush(heap, item)
+    watch = _Watch()
 
     def making_policy(strategy_name, replicas, rng, overrides=None):
-        policy = LeastTtftOracle(replicas, rng, engines, step_ends, scenario.max_tokens) if strategy_name == NAME \
-            else make_policy(strategy_name, replicas, rng, overrides)
-        route = policy.route
+        if strategy_name == NAME:
+            return LeastTtftOracle(replicas, rng, watch.engines, watch.step_ends, scenario.max_tokens)
+        return make_policy(strategy_name, replicas, rng, overrides)
 
-        def routing(adapter, connection, now, call_id="", messages=None, group=0, sheddable=False):
-            replica = route(adapter, connection, now, call_id, messages=messages, group=group, sheddable=sheddable)
-            if 0 <= replica < len(engines):
-                where.update(_where(engines, replica, adapter))
-            return replica
-
-        policy.route = routing
-        return policy
-
-    fast.make_engines, fast.make_policy, fast.heapq.heappush = making, making_policy, pushing
-    try:
-        result = fast.run_fast(scenario, strategy, seed)
-    finally:
-        fast.make_engines, fast.make_policy, fast.heapq.heappush = make_engines, make_policy, heappush
-    return result.ttft_s.get("p90", float("nan")), result.completed, where
+    result = fast.run_fast(scenario, strategy, seed, observer=watch, policy_factory=making_policy)
+    return result.ttft_s.get("p90", float("nan")), result.completed, watch.where
 
 
 def _where(engines: list[ReplicaEngine], replica: int, adapter: str | None) -> list[str]:

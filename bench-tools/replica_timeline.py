@@ -11,32 +11,36 @@ from __future__ import annotations
 
 import sys
 
-from lora_affinity_plugin.bench import policies
-from lora_affinity_plugin.bench.fast import run_fast
+from lora_affinity_plugin.bench.fast import FastObserver, run_fast
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
 
 UNTIL_S = 16.0
 
 
-def main(rate: float = 2.5, seed: int = 1, replica: str = "r1") -> None:
-    scraped = policies.Rules.scraped
-    last: list[tuple] = []
+class _Timeline(FastObserver):
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.fleet = None
+        self.last: tuple | None = None
 
-    def watch(self, snapshots, gpu, at) -> None:
-        scraped(self, snapshots, gpu, at)
-        state = self.fleet._pods.get(replica)
-        if state is None or state.base is None or at > UNTIL_S:
+    def started(self, engines, policies) -> None:
+        self.fleet = policies[0].fleet
+
+    def scraped(self, at, snapshots) -> None:
+        pod = self.fleet.scraped_view(self.replica)
+        if pod is None or at > UNTIL_S:
             return
-        base, rates = state.base, state.base.rates
-        row = (round(rates.prefill_factor, 2), round(rates.decode_factor, 2), round(base.slowness, 2), rates.learned,
-               base.running, base.waiting)
-        if not last or last[-1] != row:
+        rates = pod.rates
+        row = (round(rates.prefill_factor, 2), round(rates.decode_factor, 2), round(pod.slowness, 2), rates.learned,
+               pod.running, pod.reported_waiting)
+        if row != self.last:
             print(f"{at:5.1f} s  prefill factor {row[0]:5.2f}  decode factor {row[1]:5.2f}  slowness {row[2]:.2f}  "
                   f"learned {row[3]!s:<5}  running {row[4]}  waiting {row[5]}")
-            last.append(row)
+            self.last = row
 
-    policies.Rules.scraped = watch
-    run_fast(at_rate(get_scenario("mixed-hetero"), rate), "lora-affinity", seed)
+
+def main(rate: float = 2.5, seed: int = 1, replica: str = "r1") -> None:
+    run_fast(at_rate(get_scenario("mixed-hetero"), rate), "lora-affinity", seed, observer=_Timeline(replica))
 
 
 if __name__ == "__main__":

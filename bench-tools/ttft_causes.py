@@ -29,6 +29,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 
 from lora_affinity_plugin.bench import fast, policies
+from lora_affinity_plugin.bench.fast import FastObserver
 from lora_affinity_plugin.bench.latency import TTFT_TARGET_S
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
 from lora_affinity_plugin.sim.engine import ReplicaEngine
@@ -37,62 +38,67 @@ CAUSES = ("own prefill", "behind prefill", "KV room", "LoRA slot")
 ORACLES = ("kv", "state", "fit")
 
 
+class _Causes(FastObserver):
+    """Charges each step a request waits through before its first token to one cause."""
+
+    def __init__(self) -> None:
+        self.waited: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.engines: list[ReplicaEngine] = []
+        self.outcomes: dict[int, object] = {}
+
+    def started(self, engines, policies) -> None:
+        self.engines = engines
+
+    def planned(self, now, replica, queued, duration_s) -> None:
+        engine = self.engines[replica]
+        kind, seqs = engine.planned or (None, [])
+        admitted = seqs if kind == "prefill" else []
+        taken = set(map(id, admitted))
+        batch = {s.adapter for s in engine.running if s.adapter} | {s.adapter for s in admitted if s.adapter}
+        full = len(batch) >= engine.config.max_loras
+        for seq in queued:
+            if id(seq) in taken or seq.first_token_at is not None:
+                continue
+            if seq.adapter and full and seq.adapter not in batch:
+                cause = "LoRA slot"
+            else:
+                cause = "behind prefill" if kind == "prefill" else "KV room"
+            self.waited[seq.request_id][cause] += duration_s
+        for seq in admitted:
+            if seq.first_token_at is None:
+                self.waited[seq.request_id]["own prefill"] += duration_s
+
+    def ended(self, index, outcome) -> None:
+        self.outcomes[index] = outcome
+
+
+class _OracleRules:
+    """Hands a rule set's decision the replicas' state now (`_as_oracle_sees`) instead of at their last scrape."""
+
+    def __init__(self, oracle: str, causes: _Causes) -> None:
+        self.oracle, self.causes = oracle, causes
+
+    def __call__(self, strategy, replicas, rng, overrides=None) -> policies.Policy:
+        policy = policies.make_policy(strategy, replicas, rng, overrides)
+        decide = policy.decide
+
+        def deciding(candidates, request):
+            return decide(_as_oracle_sees(candidates, request, policy.settings, self.causes.engines, self.oracle),
+                          request)
+
+        policy.decide = deciding
+        return policy
+
+
 def _one_seed(args: tuple[str, float, int, str, str | None]) -> tuple[list[tuple[float, dict]], int, float]:
     """Per request (TTFT, seconds by cause), the run's preemptions, and its TTFT p90."""
     name, rate, seed, strategy, oracle = args
-    waited: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    engines: list[ReplicaEngine] = []
-    admit, plan, made, choose = ReplicaEngine._admit, ReplicaEngine.plan_step, ReplicaEngine.__init__, policies.choose_pod
-    left: dict[int, list[tuple[object, str]]] = {}  # id(engine) -> the requests its last admission left waiting
-
-    def making(self, *args, **kwargs):
-        made(self, *args, **kwargs)
-        engines.append(self)
-
-    def admitting(self):
-        queue = list(self.waiting)
-        admitted, cost = admit(self)
-        taken = set(map(id, admitted))
-        batch = {s.adapter for s in self.running if s.adapter} | {s.adapter for s in admitted if s.adapter}
-        full = len(batch) >= self.config.max_loras
-        left[id(self)] = [(s, "LoRA slot" if s.adapter and full and s.adapter not in batch else "")
-                          for s in queue if id(s) not in taken]
-        return admitted, cost
-
-    def planning(self):
-        duration_s = plan(self) / 1000
-        kind = self._planned[0] if self._planned else None
-        for seq, cause in left.pop(id(self), ()):
-            if seq.first_token_at is None:
-                waited[seq.request_id][cause or ("behind prefill" if kind == "prefill" else "KV room")] += duration_s
-        if kind == "prefill":
-            for seq in self._planned[1]:
-                if seq.first_token_at is None:
-                    waited[seq.request_id]["own prefill"] += duration_s
-        return duration_s * 1000
-
-    def choosing(candidates, request, settings, rng, **kwargs):
-        return choose(_as_oracle_sees(candidates, request, settings, engines, oracle), request, settings, rng, **kwargs)
-
-    outcomes: list = []
-    summarize = fast.summarize_classes
-
-    def keeping(strategy_name, scenario_name, mode, ordered, *rest):
-        outcomes.extend(ordered)
-        return summarize(strategy_name, scenario_name, mode, ordered, *rest)
-
-    ReplicaEngine._admit, ReplicaEngine.plan_step, ReplicaEngine.__init__ = admitting, planning, making
-    fast.summarize_classes = keeping
-    if oracle:
-        policies.choose_pod = choosing
-    try:
-        result = fast.run_fast(at_rate(get_scenario(name), rate), strategy, seed)
-    finally:  # a pool's worker runs several seeds: the next one hooks the originals, not these
-        ReplicaEngine._admit, ReplicaEngine.plan_step, ReplicaEngine.__init__ = admit, plan, made
-        fast.summarize_classes, policies.choose_pod = summarize, choose
-    rows = [(o.ttft_s if o.ttft_s is not None else float("inf"), dict(waited.get(str(i), {})))
-            for i, o in enumerate(outcomes)]  # (fast mode names each request's sequence by its index)
-    return rows, sum(e.preemptions for e in engines), result.ttft_s.get("p90", float("nan"))
+    causes = _Causes()
+    factory = _OracleRules(oracle, causes) if oracle else policies.make_policy
+    result = fast.run_fast(at_rate(get_scenario(name), rate), strategy, seed, observer=causes, policy_factory=factory)
+    rows = [(o.ttft_s if o.ttft_s is not None else float("inf"), dict(causes.waited.get(str(i), {})))
+            for i, o in sorted(causes.outcomes.items())]  # (fast mode names each request's sequence by its index)
+    return rows, sum(e.preemptions for e in causes.engines), result.ttft_s.get("p90", float("nan"))
 
 
 def _as_oracle_sees(candidates, request, settings, engines: list[ReplicaEngine], oracle: str | None):

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from procs import run_bench_tool, run_cli
 
-from lora_affinity_plugin.bench.fast import run_fast
+from lora_affinity_plugin.bench.fast import DispatchLog, FastObserver, run_fast
 from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
 from lora_affinity_plugin.bench.slowdown import SLOW_AT_S, shares
 
@@ -27,11 +27,50 @@ def test_a_replica_at_half_speed_gets_less_within_30_seconds():
                        slowdown=(SLOW_AT_S, 0, 0.5))
     logs = {}
     for name in ("lora-affinity", "lora-affinity-v1"):
-        logs[name] = []
-        run_fast(scenario, name, seed=1, dispatches=logs[name])
+        dispatched = DispatchLog()
+        run_fast(scenario, name, seed=1, observer=dispatched)
+        logs[name] = dispatched.log
     before, first_30_s, _ = shares(logs["lora-affinity"])
     assert first_30_s < 0.12 and first_30_s < 0.6 * before, (before, first_30_s)  # proportionate: 0.5 / 5.5
     assert shares(logs["lora-affinity-v1"])[1] > first_30_s
+
+
+class _Recorder(FastObserver):
+    def __init__(self) -> None:
+        self.engines, self.routed_to, self.steps, self.scrapes, self.outcomes = [], [], [], [], {}
+
+    def started(self, engines, policies) -> None:
+        self.engines = engines
+
+    def routed(self, now, request, replica, policy) -> None:
+        decision = policy.last[0].pod if policy.last else None
+        self.routed_to.append((request.index, replica, decision))
+
+    def planned(self, now, replica, queued, duration_s) -> None:
+        planned = self.engines[replica].planned
+        if planned and planned[0] == "prefill":
+            self.steps.append(all(seq in queued for seq in planned[1]) and duration_s > 0)
+
+    def scraped(self, at, snapshots) -> None:
+        self.scrapes.append(len(snapshots))
+
+    def ended(self, index, outcome) -> None:
+        self.outcomes[index] = outcome.ok
+
+
+def test_an_observer_sees_each_request_step_and_scrape_and_changes_no_figure():
+    """What bench-tools/ measure with: every request routed once and ended once, each prefill admitting from the queue
+    it was planned from, every scrape; and the run's result the same as unobserved."""
+    scenario = replace(at_rate(get_scenario("mixed"), 4.0), duration_s=30.0)
+    plain = run_fast(scenario, "lora-affinity", seed=3)
+    seen = _Recorder()
+    observed = run_fast(scenario, "lora-affinity", seed=3, observer=seen)
+    assert observed == plain and plain.completed > 100
+    assert sorted(i for i, _, _ in seen.routed_to) == sorted(seen.outcomes) == list(range(len(seen.outcomes)))
+    assert all(decision == f"r{replica}" for _, replica, decision in seen.routed_to)  # the rules' pod, as sent
+    assert sum(seen.outcomes.values()) == plain.completed
+    assert seen.steps and all(seen.steps)
+    assert len(seen.scrapes) > 100 and set(seen.scrapes) == {scenario.replicas}
 
 
 def test_the_decisions_benchmark_times_both_strategies_with_no_fallback():

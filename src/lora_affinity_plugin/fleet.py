@@ -302,6 +302,11 @@ class FleetView:
         if state is not None and state.pending.pop(call_id, None) is not None:
             self._renew(dispatch.pod, state)
 
+    def scraped_view(self, pod: str) -> Candidate | None:
+        """`pod` as its last scrape showed it, its learned rates and slowness included (no dispatches added)."""
+        state = self._pods.get(pod)
+        return state.base if state is not None else None
+
     def candidates(self, pods: Sequence[str], now: float) -> list[Candidate]:
         """Pods with metrics, their not-yet-scraped dispatches added.
 

@@ -12,12 +12,14 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from ..inflight import merge_shares
 from ..sim.arguments import parse_profiles
 from ..sim.engine import EngineConfig, ReplicaEngine, Sequence
 from ..sim.kv_cache import block_hashes, count_tokens, prompt_text
-from .policies import SHED, make_policy
+from ..scheduling import PodMetrics
+from .policies import SHED, Policy, make_policy
 from .prefix_workloads import PrefixWorkload
 from .prompt_shapes import lora_prompt
 from .results import RequestOutcome, Result, summarize_classes
@@ -83,15 +85,51 @@ _SEED_MESSAGES = [{"role": "user", "content": SEED_PROMPT}]
 """How LiteLLM hands a text completion's prompt to a routing strategy."""
 
 
+class FastObserver:
+    """What a measuring tool (`bench-tools/`) sees of one fast run, as it goes; every hook does nothing here.
+
+    A hook reads; it must not change the engines or the policies, so a run's figures are the same observed or not.
+    """
+
+    def started(self, engines: list[ReplicaEngine], policies: list[Policy]) -> None:
+        """Before the first event: the replicas and each gateway's policy, as the run uses them."""
+
+    def routed(self, now: float, request: object, replica: int, policy: Policy) -> None:
+        """`policy` (one gateway's) sent `request` to `replica`, or refused it (`SHED`)."""
+
+    def planned(self, now: float, replica: int, queued: list[Sequence], duration_s: float) -> None:
+        """`replica` planned its next step (`ReplicaEngine.planned`), lasting `duration_s`, from the queue `queued`
+        (in order, before the step admitted any of it)."""
+
+    def scraped(self, at: float, snapshots: list[PodMetrics]) -> None:
+        """The gateways have just taken in the scrape made at `at`."""
+
+    def ended(self, index: int, outcome: RequestOutcome) -> None:
+        """Request `index` ended: completed, timed out or shed."""
+
+
+class DispatchLog(FastObserver):
+    """(time, replica) for every request a gateway sent to a replica."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[float, int]] = []
+
+    def routed(self, now: float, request: object, replica: int, policy: Policy) -> None:
+        if replica != SHED:
+            self.log.append((now, replica))
+
+
 def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1,
-             overrides: dict | None = None, prefix_caching: bool = True,
-             dispatches: list[tuple[float, int]] | None = None) -> Result:
-    """One strategy on one scenario in virtual time; `dispatches` (if given) gets (time, replica) per request."""
+             overrides: dict | None = None, prefix_caching: bool = True, observer: FastObserver | None = None,
+             policy_factory: Callable[..., Policy] = make_policy) -> Result:
+    """One strategy on one scenario in virtual time. `policy_factory` makes each gateway's policy (with
+    `make_policy`'s arguments): a measuring tool may route with its own."""
+    watch = observer or FastObserver()
     prefix_load = PrefixWorkload(scenario, seed) if scenario.open_loop else None
     requests: list = prefix_load.initial() if prefix_load else workload(scenario, random.Random(f"{seed}-workload"))
     expected = prefix_load.expected(requests) if prefix_load else len(requests)
     engines = make_engines(scenario, seed, prefix_caching)
-    policies = [make_policy(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
+    policies = [policy_factory(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
                 for g in range(gateways)]
     for policy in policies:
         policy.discovered(list(scenario.adapters))
@@ -112,7 +150,9 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     def kick(replica: int, now: float) -> None:
         if busy[replica]:
             return
+        queued = list(engines[replica].waiting) if observer else []
         duration_ms = engines[replica].plan_step()
+        watch.planned(now, replica, queued, duration_ms / 1000)
         if duration_ms > 0:
             busy[replica] = True
             push(now + duration_ms / 1000, "step", replica)
@@ -134,8 +174,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             sheddable = getattr(req, "sheddable", False)
             replica = gateway.route(req.adapter, connection, now, str(req.index), messages=messages,
                                     group=getattr(req, "group", 0), sheddable=sheddable)
-            if dispatches is not None and replica != SHED:
-                dispatches.append((now, replica))
+            watch.routed(now, req, replica, gateway)
             if replica == SHED:  # HTTP 429 at once
                 free_connections.append(connection)
                 release(req.index, now, RequestOutcome(None, False, e2e_s=0.0, error="HTTP 429: shed",
@@ -157,6 +196,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
 
     def release(index: int, now: float, outcome: RequestOutcome) -> None:
         outcomes[index] = outcome
+        watch.ended(index, outcome)
         entry = seqs.pop(index, None)
         if entry is not None:
             free_connections.append(entry[2])
@@ -170,6 +210,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 push(nxt.arrival + scenario.deadline_s, "timeout", nxt.index)
 
     requested: dict[int, object] = {r.index: r for r in requests}
+    watch.started(engines, policies)
     # The gateways have been running before the load starts: they already see one scrape.
     push(0.0, "visible", ([e.snapshot() for e in engines], [frozenset(e.gpu) for e in engines], 0.0))
     for req in requests:
@@ -244,6 +285,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             snapshots, gpu, scraped_at = data
             for policy in policies:
                 policy.scraped(snapshots, gpu, scraped_at)
+            watch.scraped(scraped_at, snapshots)
 
     ordered = [outcomes[i] for i in sorted(outcomes)]
     result = summarize_classes(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)

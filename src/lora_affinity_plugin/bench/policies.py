@@ -15,7 +15,7 @@ from ..fleet import FleetView
 from ..inflight import PeerShare
 from ..prefix_index import SHARE_MAX_BLOCKS
 from ..rates import RateTracker, decode_load
-from ..scheduling import NoCapacity, PodMetrics, Shed, choose_pod
+from ..scheduling import Candidate, Decision, NoCapacity, PodMetrics, RouteRequest, Shed, choose_pod
 from ..settings import Settings, SettingsError, build_settings
 from ..store import PodRecord
 
@@ -197,6 +197,8 @@ class Rules(Policy):
         self.fallbacks = 0
         self.rates = RateTracker()
         """Stands in for the scraper's: learns each pod's speeds from its counters' deltas."""
+        self.last: tuple[Decision, list[Candidate], RouteRequest] | None = None
+        """The last decision, the candidates it chose among and the request (what a measuring tool reads)."""
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
               messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
@@ -206,17 +208,23 @@ class Rules(Policy):
             return self.rng.randrange(self.replicas)
         request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, None, self.keys, self.settings,
                                            sheddable)
+        self.last = None
         try:
-            decision = choose_pod(candidates, request, self.settings, self.rng)
+            decision = self.decide(candidates, request)
         except Shed:
             return SHED
         except NoCapacity:
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
+        self.last = (decision, candidates, request)
         self.fleet.note_dispatch(decision.pod, adapter, now, call_id)
         if request.prefix_hashes:
             self.fleet.note_prefix(decision.pod, request.prefix_hashes, now)
         return self.keys.index(decision.pod)
+
+    def decide(self, candidates: list[Candidate], request: RouteRequest) -> Decision:
+        """The rules' choice (a measuring tool may hand them other candidates)."""
+        return choose_pod(candidates, request, self.settings, self.rng)
 
     def scraped(self, snapshots, gpu, at) -> None:
         records = {}

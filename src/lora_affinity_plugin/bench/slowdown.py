@@ -13,7 +13,7 @@ import argparse
 import statistics
 from dataclasses import replace
 
-from .fast import run_fast
+from .fast import DispatchLog, run_fast
 from .scenarios import get_scenario
 
 SLOW_AT_S = 100.0
@@ -45,9 +45,9 @@ def run_slowdown(args: argparse.Namespace) -> int:
     for strategy in strategies:
         rows = []
         for seed in range(args.seed, args.seed + max(1, args.seeds)):
-            log: list[tuple[float, int]] = []
-            result = run_fast(scenario, strategy, seed=seed, dispatches=log)
-            rows.append((*shares(log), result.completed, result.ttft_s.get("p90", 0.0)))
+            dispatched = DispatchLog()
+            result = run_fast(scenario, strategy, seed=seed, observer=dispatched)
+            rows.append((*shares(dispatched.log), result.completed, result.ttft_s.get("p90", 0.0)))
         med = [statistics.median(col) for col in zip(*rows)]
         print(f"{strategy:<20} {med[0]:>8.1%} {med[1]:>11.1%} {med[2]:>8.1%} {med[3]:>10.0f} {med[4]:>11.2f}")
     return 0

@@ -130,6 +130,8 @@ class ReplicaEngine:
         self.cpu: OrderedDict[str, None] = OrderedDict()
         self.pool = BlockPool(config.kv_blocks, config.prefix_caching)
         self._planned: tuple[str, list[Sequence]] | None = None
+        self.step_disk_loads: list[str] = []
+        """The adapters the planned step loads from disk (a measuring tool attributes them)."""
         # Counters for /metrics.
         self.finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
         self.prompt_tokens_total = 0
@@ -186,6 +188,7 @@ class ReplicaEngine:
         cost = self.config.activation_ms
         if adapter not in self.cpu:
             cost += self.config.disk_load_ms
+            self.step_disk_loads.append(adapter)
         _lru_put(self.cpu, adapter, self.config.max_cpu_loras)
         if len(self.gpu) >= self.config.max_loras:
             for victim in self.gpu:  # least recently used slot not serving the batch
@@ -197,6 +200,8 @@ class ReplicaEngine:
 
     def plan_step(self) -> float:
         """Decide the next step; returns its duration in ms (0 when idle)."""
+        if self.step_disk_loads:
+            self.step_disk_loads = []
         admitted, cost_ms = self._admit()
         if admitted:
             tokens = sum(s.context - s.cached_tokens for s in admitted)
@@ -249,6 +254,11 @@ class ReplicaEngine:
             self.waiting.remove(seq)
             admitted.append(seq)
         return admitted, cost
+
+    @property
+    def planned(self) -> tuple[str, list[Sequence]] | None:
+        """The step planned and not yet finished: ("prefill", the requests it admitted) or ("decode", the batch)."""
+        return self._planned
 
     def finish_step(self, now: float) -> StepResult:
         """Apply the planned step at time `now` (seconds, any clock)."""
