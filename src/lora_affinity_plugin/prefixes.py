@@ -109,43 +109,30 @@ def _chain(data: bytes, crc: int, block_chars: int) -> tuple[tuple[int, ...], in
 class _HeadCache:
     """Chains of recent first messages (system prompts repeat; their questions do not).
 
-    Keyed by scope, salt, block size, the first message's role, its content's length and its first and last
-    `_EDGE` characters, and confirmed by comparing the content itself (a memcmp: 0.2 us for 16 KB, where
-    Python's hash of a new 16 KB string, as every request's parsed JSON has, costs 3.5), so a repeated system
-    prompt is neither encoded nor hashed block by block again, and two prompts that share a key only replace each
-    other. Bounded, LRU, by entries and by the characters of the contents it keeps (`max_chars`: 128 system
-    prompts of 16 KB, 2-8 MB as Python stores text).
+    Keyed by scope, salt, block size, the first message's role and its content's length and Python hash
+    (one pass over the content, kept on the string; the rendered message is built only on a miss), so a
+    repeated 16 KB system prompt is neither copied, encoded nor hashed block by block again; bounded,
+    LRU. (A 64-bit hash and the length: a collision is at most one misplaced request.)
     """
 
-    def __init__(self, size: int = 1024, max_chars: int = 2 << 20) -> None:
+    def __init__(self, size: int = 1024) -> None:
         self.size = size
-        self.max_chars = max_chars
-        self._chars = 0
-        self._entries: OrderedDict[tuple, tuple[str, tuple[tuple[int, ...], int, bytes]]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[tuple[int, ...], int, bytes]] = OrderedDict()
 
     def chain(self, role: str, content: str, scope: str, salt: str | None, block_chars: int
               ) -> tuple[tuple[int, ...], int, bytes]:
-        key = (scope, salt, block_chars, role, len(content), content[:_EDGE], content[-_EDGE:])
+        key = (scope, salt, block_chars, role, len(content), hash(content))
         entry = self._entries.get(key)
-        if entry is not None and entry[0] == content:
+        if entry is None:
+            data = (role + _ROLE_END + content + _MESSAGE_END).encode("utf-8", "surrogatepass")
+            entry = self._entries[key] = _chain(data, _seed(scope, salt), block_chars)
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        else:
             self._entries.move_to_end(key)
-            return entry[1]
-        data = (role + _ROLE_END + content + _MESSAGE_END).encode("utf-8", "surrogatepass")
-        chain = _chain(data, _seed(scope, salt), block_chars)
-        if entry is not None:
-            self._chars -= len(entry[0])
-        self._entries[key] = (content, chain)
-        self._entries.move_to_end(key)
-        self._chars += len(content)
-        while len(self._entries) > self.size or self._chars > self.max_chars:
-            _, (dropped, _) = self._entries.popitem(last=False)
-            self._chars -= len(dropped)
-        return chain
+        return entry
 
 
-_EDGE = 32
-"""Characters from each end of a first message in `_HeadCache`'s key (templates differ in the middle too: the
-comparison decides)."""
 _HEADS = _HeadCache()
 
 
