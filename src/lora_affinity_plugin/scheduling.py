@@ -605,12 +605,8 @@ def _not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candi
     if least is None:
         least = min([p.load for p in pods])
     edge = max(least + settings.prefix_queue_margin, least * settings.prefix_queue_ratio)
-    among = pods if among is None else among
-    kept = [p for p in among if p.load <= edge]
-    if len(kept) == len(among):
-        return kept  # (the common case: the fleet's shortest queue is not read)
     queue_edge = min([p.reported_waiting for p in pods]) + 1  # one waiting request is the next step's admission
-    return [p for p in among if p.load <= edge or p.reported_waiting <= queue_edge]
+    return [p for p in (pods if among is None else among) if p.load <= edge or p.reported_waiting <= queue_edge]
 
 
 def _fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float) -> list[Candidate]:
