@@ -36,7 +36,7 @@ class _Labels(FastObserver):
         self.ttft: dict[int, float] = {}
 
     def routed(self, now, request, replica, policy) -> None:
-        pod = policy.fleet.scraped_view(f"r{replica}")  # the fast bench names replica i "r{i}"
+        pod = policy.fleet.scraped_view(policy.keys[replica])
         slow = bool(pod and pod.slowness > 1)
         self.sent[request.index] = (_kind(request.adapter, request.messages), replica % 2 == 1, slow, now < 20)
 

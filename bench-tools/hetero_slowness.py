@@ -29,16 +29,15 @@ class _Watch(FastObserver):
     def __init__(self) -> None:
         self.first_slow: dict[str, float] = {}
         self.settled = {kind: {"slowness": [], "prefill": [], "decode": []} for kind in ("full", "half")}
-        self.fleet = None
+        self.policy = None
 
     def started(self, engines, policies) -> None:
-        self.fleet = policies[0].fleet
+        self.policy = policies[0]
         self.first_slow.clear()
 
     def scraped(self, at, snapshots) -> None:
-        for i in range(len(snapshots)):
-            key = f"r{i}"  # the fast bench names replica i "r{i}"
-            pod = self.fleet.scraped_view(key)
+        for i, key in enumerate(self.policy.keys):
+            pod = self.policy.fleet.scraped_view(key)
             if pod is None:
                 continue
             kind = "half" if i % 2 else "full"  # profiles speed=1;speed=0.5, dealt in turn

@@ -83,8 +83,8 @@ class _OracleRules:
         decide = policy.decide
 
         def deciding(candidates, request):
-            return decide(_as_oracle_sees(candidates, request, policy.settings, self.causes.engines, self.oracle),
-                          request)
+            engines = {key: self.causes.engines[i] for i, key in enumerate(policy.keys)}
+            return decide(_as_oracle_sees(candidates, request, policy.settings, engines, self.oracle), request)
 
         policy.decide = deciding
         return policy
@@ -101,13 +101,11 @@ def _one_seed(args: tuple[str, float, int, str, str | None]) -> tuple[list[tuple
     return rows, sum(e.preemptions for e in causes.engines), result.ttft_s.get("p90", float("nan"))
 
 
-def _as_oracle_sees(candidates, request, settings, engines: list[ReplicaEngine], oracle: str | None):
-    """The candidates with the replicas' state now (`oracle`), instead of at their last scrape."""
-    if not oracle:
-        return candidates
+def _as_oracle_sees(candidates, request, settings, engines: dict[str, ReplicaEngine], oracle: str):
+    """The candidates with the replicas' state now (`oracle`), instead of at their last scrape (`engines`: by pod)."""
     now = []
     for candidate in candidates:
-        engine = engines[int(candidate.key[1:])]  # the fast bench names replica i "r{i}"
+        engine = engines[candidate.key]
         fresh = {"kv_free_tokens": engine.free_blocks * engine.config.block_size}
         if oracle == "state":
             fresh.update(kv_cache_usage=1 - engine.free_blocks / engine.config.kv_blocks,
@@ -115,7 +113,7 @@ def _as_oracle_sees(candidates, request, settings, engines: list[ReplicaEngine],
         now.append(dataclasses.replace(candidate, **fresh))
     if oracle == "fit":
         tokens = request.prefix_blocks * settings.prefix_block_chars / settings.prefix_chars_per_token
-        fits = [c for c in now if not engines[int(c.key[1:])].waiting and c.kv_free_tokens >= tokens]
+        fits = [c for c in now if not engines[c.key].waiting and c.kv_free_tokens >= tokens]
         return fits or now
     return now
 
