@@ -16,10 +16,13 @@ REFUSED = "http://127.0.0.1:1"
 
 
 @asynccontextmanager
-async def serve_pages(pages: dict[str, object]) -> AsyncIterator[Callable[[str], str]]:
-    """Yields `url(name)`: the pod URL whose `/metrics` serves `pages[name]`."""
+async def serve_pages(pages: dict[str, object], seen: list | None = None) -> AsyncIterator[Callable[[str], str]]:
+    """Yields `url(name)`: the pod URL whose `/metrics` serves `pages[name]` (read at each request, so a test
+    may change it). `seen` collects (pod name, Authorization header or None) per request."""
 
     async def handler(request: web.Request) -> web.Response:
+        if seen is not None:
+            seen.append((request.match_info["pod"], request.headers.get("Authorization")))
         page = pages[request.match_info["pod"]]
         if isinstance(page, int):
             return web.Response(status=page)

@@ -52,7 +52,7 @@ def stack(tmp_path_factory):
         wait_port(sim_base + 1)
         url = f"rediss://lora:{USER_PASSWORD}@127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp / 'ca.crt'}"
         config = proxy_config([sim_base, sim_base + 1], 0, scrape_interval_ms=100,
-                              metrics_bearer_token="os.environ/VLLM_METRICS_TOKEN")
+                              metrics_bearer_token="os.environ/VLLM_METRICS_TOKEN", metrics_token_pods=["127.0.0.1:*"])
         config["lora_affinity"]["redis_url"] = "os.environ/REDIS_URL"
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))

@@ -31,18 +31,15 @@ def _settings_and_config(args: argparse.Namespace):
 
 
 def _cmd_scrape(args: argparse.Namespace) -> int:
-    from .engines import pod_engines
-    from .pods import discover_pods
     from .scraper import Scraper
 
     settings, config = _settings_and_config(args)
-    pods = discover_pods(config.get("model_list") or [])
     try:
-        engines = pod_engines(config.get("model_list") or [], settings.default_engine)
+        scraper = Scraper.for_config(settings, config.get("model_list") or [])
     except ValueError as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 2
-    if not pods:
+    if not scraper.pods:
         print(f"{args.config}: no deployment in model_list has an api_base to scrape", file=sys.stderr)
         return 2
 
@@ -56,7 +53,7 @@ def _cmd_scrape(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await Scraper(settings, pods, engines=engines).run(stop)
+        await scraper.run(stop)
 
     asyncio.run(run())
     return 0

@@ -16,11 +16,12 @@ class Episode:
         self.active = False
         self.count = 0
 
-    def fail(self, reason: object) -> None:
+    def fail(self, reason: object, exc_info: BaseException | None = None) -> None:
+        """Logs the first failure of an episode (with `exc_info`'s traceback, when given); the rest are counted."""
         if not self.active:
             self.active = True
             self.count += 1
-            self._logger.warning("%s: %s", self._what, reason)
+            self._logger.warning("%s: %s", self._what, reason, exc_info=exc_info)
 
     def recover(self) -> None:
         if self.active:

@@ -8,6 +8,10 @@ Residency: an idle pod keeps the adapters it ran most recently (an LRU of `max_l
 vLLM's GPU slots), unless the server reports them itself.
 Prefixes: `prefixes` is the approximate index of what each pod's KV cache holds (prefix_index.py),
 sized from each pod's reported cache.
+Adapter names: a wildcard deployment passes any requested name to the pods. A name counts as active
+while its own requests are in flight (vLLM refuses an adapter it cannot load at once, so a made-up name
+counts for a round trip), and enters a pod's residency memory only once a pod reports it, lists it in
+/v1/models or served a request for it: names sprayed at the gateway cannot crowd real adapters out.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ class FleetView:
         self._anonymous = 0
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
         self._dealing: dict[str, int] = {}
+        self._reported: frozenset[str] = frozenset()
+        """Adapters some pod reports (running, waiting or loaded), as of the last update."""
+        self._confirmed: OrderedDict[str, None] = OrderedDict()
+        """Adapters a pod served a request for (`confirm`), most recent last."""
         self._stalest_scrape = float("-inf")
         """The oldest scrape among pods with metrics: when it is fresh, so is every pod (no per-pod check)."""
         self._lists: OrderedDict[tuple[str, ...], _CandidateList] = OrderedDict()
@@ -92,6 +100,9 @@ class FleetView:
                                lag_s=self.settings.dispatch_lag_ms / 1000)
         self._stalest_scrape = min((state.record.scraped_at for state in self._pods.values() if state.base is not None),
                                    default=float("-inf"))
+        self._reported = frozenset().union(*(
+            names for m in (state.record.metrics for state in self._pods.values()) if m is not None
+            for names in (m.running_lora_adapters, m.waiting_lora_adapters, m.loaded_lora_adapters)))
         self._compare_speeds()
         self._build_views()
 
@@ -142,6 +153,24 @@ class FleetView:
             instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
             later_turn=adapter is None and is_later_turn(messages))  # only a base-model turn reads it
 
+    def adapter_known(self, adapter: str) -> bool:
+        """Whether `adapter` is one the pods serve: listed in their /v1/models, reported by one of them, or
+        served a request."""
+        return adapter in self._dealing or adapter in self._reported or adapter in self._confirmed
+
+    def confirm(self, served: Dispatch) -> None:
+        """`served.pod` answered a request for `served.adapter`: a real adapter, which that pod now holds."""
+        adapter = served.adapter
+        if adapter is None:
+            return
+        if adapter not in self._confirmed:
+            self._confirmed[adapter] = None
+            if len(self._confirmed) > _CONFIRMED_KEPT:
+                self._confirmed.popitem(last=False)
+        state = self._pods.get(served.pod)
+        if state is not None:
+            _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
+
     def serve(self, adapters: Iterable[str]) -> None:
         """The adapters the fleet serves (the pods' /v1/models, from discovery): what gateways deal."""
         order = sorted(adapters)
@@ -175,7 +204,7 @@ class FleetView:
                 state.view = None
                 slots = self._memory(state.base.max_lora if state.base else None)
                 for _, adapter in state.peers:  # a peer's dispatch leaves its adapter resident too
-                    if adapter is not None:
+                    if adapter is not None and self.adapter_known(adapter):
                         _touch(state.resident, adapter, slots)
         self._build_views()
 
@@ -236,8 +265,14 @@ class FleetView:
         return (max_lora or _DEFAULT_SLOTS) * self.settings.residency_memory
 
     # --- request side ------------------------------------------------------------------------
-    def knows(self, pods: Iterable[str]) -> bool:
-        return any(pod in self._pods for pod in pods)
+    def manages(self, pods: Iterable[str]) -> bool:
+        """Whether any of `pods` is proven a model server (`PodRecord.proven`): then their group is routed here."""
+        get = self._pods.get
+        for pod in pods:
+            state = get(pod)
+            if state is not None and (state.record.proven or state.record.metrics is not None):
+                return True
+        return False
 
     def record(self, pod: str) -> PodRecord | None:
         state = self._pods.get(pod)
@@ -266,7 +301,7 @@ class FleetView:
             return
         state.pending[call_id] = (now, adapter)
         self._renew(pod, state)
-        if adapter is not None:
+        if adapter is not None and self.adapter_known(adapter):
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
 
     def refused(self, pod: str, now: float) -> bool:
@@ -366,6 +401,9 @@ class FleetView:
             state.view = base
         return state.view
 
+
+_CONFIRMED_KEPT = 4096
+"""Adapter names remembered as served (`confirm`): more than any fleet serves, bounded all the same."""
 
 _LISTS_KEPT = 16
 """Candidate lists kept (`_fresh_list`): one per set of healthy deployments a model group has."""

@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
+
+from .clock import RedisClock, redis_seconds
 
 from .discovery import decode_served, served_models_key
 from .episodes import Episode
@@ -95,6 +98,8 @@ class Follower:
         """Other processes sharing in-flight tables, as of the last refresh."""
         self.stream_id = "0-0"
         """The last prefix-stream entry read: peers' index entries after it are new."""
+        self.clock = RedisClock()
+        """Times read from Redis (scrapes, peers' dispatches, index entries) are on its clock; see `clock.py`."""
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
         self._refresh_failing = Episode(logger, "lora-affinity could not apply a refresh from Redis; the last view stays")
 
@@ -140,16 +145,19 @@ class Follower:
         reads = [settings_key(prefix), *(pod_key(self.base, p) for p in pods),
                  *(inflight_key(prefix, peer) for peer in peers), served_models_key(prefix)]
         table = encode_share(self.fleet.inflight.counts(), self.fleet.recent_dispatches(),
-                             self.fleet.prefixes.sizes()) if sharing else ""
+                             self.fleet.prefixes.sizes(), self.clock.offset_s) if sharing else ""
         ttl_ms = max(1_000, 5 * self.settings.scrape_interval_ms)
         share_prefixes = self.settings.share_prefixes and self.settings.prefix_affinity
         outbox = self.fleet.prefixes.take_outbox(SHARE_MAX_BLOCKS)
-        entries = encode_entries(outbox) if outbox and share_prefixes else ""
+        entries = encode_entries([(pod, self.clock.to_redis(at), hashes) for pod, at, hashes in outbox]) \
+            if outbox and share_prefixes else ""
         try:
-            members, raws, stream = await client.eval(
+            sent = time.time()
+            members, raws, stream, redis_now = await client.eval(
                 REFRESH_SCRIPT, 3 + len(reads), members_key(prefix), inflight_key(prefix, self.process),
                 prefix_stream_key(prefix), *reads, self.process, table, ttl_ms, entries,
                 self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH, SHARE_ENTRIES_PER_PROCESS)
+            self.clock.observe(redis_seconds(redis_now), sent, time.time())
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -158,9 +166,11 @@ class Follower:
         self._redis_down.recover()
         if raws[0] is not None:
             self._follow_settings(raws[0])
-        records = decode_records(pods, raws[1:1 + len(pods)])
+        to_local = self.clock.to_local
+        records = {pod: replace(record, scraped_at=to_local(record.scraped_at))
+                   for pod, record in decode_records(pods, raws[1:1 + len(pods)]).items()}
         self.fleet.update(records, time.time())
-        self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1]), time.time())
+        self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1], -self.clock.offset_s), time.time())
         served = decode_served(raws[-1])
         if served != self.served_models:
             self.fleet.serve(served)  # what gateways deal over the pods to agree on placements
@@ -181,7 +191,7 @@ class Follower:
             if values.get(b"p") == own:
                 continue
             for pod, at, hashes in decode_entries(values.get(b"e", b"")):
-                self.fleet.prefixes.add_shared(pod, hashes, at)
+                self.fleet.prefixes.add_shared(pod, hashes, self.clock.to_local(at))
 
     def _sweep(self) -> None:
         swept = self.fleet.sweep(time.time() - self.settings.inflight_timeout_ms / 1000)

@@ -67,13 +67,14 @@ class InFlight:
 
 
 def encode_share(counts: Mapping[str, int], recent: Mapping[str, Sequence[tuple[float, str | None]]],
-                 index_sizes: Mapping[str, int] | None = None) -> str:
+                 index_sizes: Mapping[str, int] | None = None, shift_s: float = 0.0) -> str:
     """What peers need: exact counts, and each pod's not-yet-scraped dispatches (newest kept); and for
-    `status`, how many prefix blocks this process's index holds per pod."""
+    `status`, how many prefix blocks this process's index holds per pod. `shift_s` takes the dispatch
+    times to Redis's clock (`clock.py`), which peers on other hosts read them by."""
     pods: dict[str, Any] = {}
     for pod in set(counts) | set(recent):
         entries = list(recent.get(pod, ()))[-_RECENT_PER_POD:]
-        pods[pod] = {"n": counts.get(pod, 0), "recent": [[round(at, 4), adapter] for at, adapter in entries]}
+        pods[pod] = {"n": counts.get(pod, 0), "recent": [[round(at + shift_s, 4), adapter] for at, adapter in entries]}
     return json.dumps({"pods": pods, "index": dict(index_sizes or {})}, separators=(",", ":"))
 
 
@@ -85,18 +86,19 @@ class PeerShare:
     """How many peer processes this share sums."""
 
 
-def decode_shares(raws: Iterable[bytes | None]) -> PeerShare:
-    """Peers' tables summed; an unreadable one is skipped (it expires by itself)."""
-    return merge_shares(share for share in map(_decode_share, raws) if share is not None)
+def decode_shares(raws: Iterable[bytes | None], shift_s: float = 0.0) -> PeerShare:
+    """Peers' tables summed; an unreadable one is skipped (it expires by itself). `shift_s` takes their
+    times from Redis's clock to this process's."""
+    return merge_shares(share for share in (_decode_share(raw, shift_s) for raw in raws) if share is not None)
 
 
-def _decode_share(raw: bytes | None) -> PeerShare | None:
+def _decode_share(raw: bytes | None, shift_s: float = 0.0) -> PeerShare | None:
     if raw is None:
         return None
     try:
         pods = json.loads(raw)["pods"]
         return PeerShare({pod: int(entry["n"]) for pod, entry in pods.items()},
-                         {pod: [(float(at), adapter) for at, adapter in entry["recent"]]
+                         {pod: [(float(at) + shift_s, adapter) for at, adapter in entry["recent"]]
                           for pod, entry in pods.items() if entry["recent"]})
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
@@ -132,7 +134,8 @@ def members_key(prefix: str) -> str:
 # (settings, pod records, peers' tables), all declared so a Cluster routes the call by their hash tag.
 # ARGV: process id, own table ('' = not sharing), table ttl ms, own prefix entries ('' = none),
 # last stream id read ('' = not reading; read inclusively and skipped, so Redis 5 serves it), the stream's
-# least length, entries kept per member process.
+# least length, entries kept per member process. Returns the members, the values read, the new stream entries
+# and Redis's TIME (`clock.py`).
 REFRESH_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -156,7 +159,7 @@ local values = {}
 for i = 4, #KEYS do
   values[#values + 1] = redis.call('GET', KEYS[i])
 end
-return {redis.call('ZRANGE', KEYS[1], 0, -1), values, stream}
+return {redis.call('ZRANGE', KEYS[1], 0, -1), values, stream, t}
 """
 
 

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
+from .clock import redis_seconds
+
 # KEYS: lease, fence counter, settings, pod records...   ARGV: me, lease ms, record ttl ms, records...
 _SCRIPT = """
 local holder = redis.call('GET', KEYS[1])
@@ -26,13 +28,13 @@ end
 local mine = string.sub(holder, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. '#'
 local settings = redis.call('GET', KEYS[3])
 if not mine then
-  return {0, holder, settings}
+  return {0, holder, settings, redis.call('TIME')}
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 for i = 4, #KEYS do
   redis.call('SET', KEYS[i], ARGV[i], 'PX', ARGV[3])
 end
-return {1, holder, settings}
+return {1, holder, settings, redis.call('TIME')}
 """
 
 
@@ -55,6 +57,8 @@ class LeaseResult:
     holder: str | None
     """`worker id#token` of the lease holder."""
     settings_raw: bytes | None
+    redis_time: float
+    """Redis's clock during the call (`clock.RedisClock`)."""
 
 
 async def lease_and_write(client, prefix: str, me: str, lease_ms: int, ttl_ms: int, settings_key: str,
@@ -62,6 +66,6 @@ async def lease_and_write(client, prefix: str, me: str, lease_ms: int, ttl_ms: i
     """Take or renew the lease and, only while holding it, write `records` ((key, json) pairs)."""
     keys = [lease_key(prefix), fence_key(prefix), settings_key, *(key for key, _ in records)]
     args = [me, lease_ms, ttl_ms, *(body for _, body in records)]
-    leader, holder, settings_raw = await client.eval(_SCRIPT, len(keys), *keys, *args)
+    leader, holder, settings_raw, now = await client.eval(_SCRIPT, len(keys), *keys, *args)
     holder = holder.decode() if isinstance(holder, bytes) else holder
-    return LeaseResult(bool(leader), holder, settings_raw)
+    return LeaseResult(bool(leader), holder, settings_raw, redis_seconds(now))

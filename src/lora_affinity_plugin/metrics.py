@@ -28,8 +28,8 @@ SETTINGS_APPLIED = Counter("lora_affinity_settings_changes_applied_total", "Live
 SETTINGS_REJECTED = Counter("lora_affinity_settings_rejected_total", "Live settings versions refused as invalid")
 SCRAPE_SECONDS = Histogram("lora_affinity_scrape_duration_seconds", "One scrape cycle over every pod")
 SCRAPE_ERRORS = Counter("lora_affinity_scrape_errors_total",
-                        "Pages that could not be read, by kind: page (unparsable, too big, HTTP error), timeout, "
-                        "connection", ["pod", "kind"])
+                        "Pages that could not be read, by kind: page (unparsable, too big, HTTP error), partial (read in "
+                        "part: the pod is routed on the rest), timeout, connection", ["pod", "kind"])
 SCRAPER_LEADER = Gauge("lora_affinity_scraper_leader", "1 while this scraper process holds the lease (it scrapes), else 0")
 POD_UP = Gauge("lora_affinity_pod_up", "1 when the pod's last page was read and parsed, else 0 (scraper leader)", ["pod"])
 POD_WAITING = Gauge("lora_affinity_pod_requests_waiting", "The pod's waiting requests, last scrape", ["pod"])

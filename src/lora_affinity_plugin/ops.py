@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 
 from . import live_settings
+from .clock import redis_seconds
 from .connection import sync_client
 from .fleet import FleetView
 from .inflight import prefix_stream_key, read_shared_tables
@@ -170,6 +171,12 @@ def _when(at: float) -> str:
     return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def redis_now(client: redis.Redis, settings: Settings) -> float:
+    """Redis's clock, which records are stamped on (`clock.py`): ages read the same from any host. Read from
+    the node that holds the plugin's keys (a Cluster's nodes each have their own clock)."""
+    return redis_seconds(client.eval("return redis.call('TIME')", 1, lease_key(settings.key_prefix)))
+
+
 def _records(client: redis.Redis, settings: Settings, pods: list[str]) -> dict[str, PodRecord]:
     if not pods:
         pattern = pod_key(settings, "*")
@@ -187,7 +194,8 @@ def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: f
         age = record.age_s(now)
         m = record.metrics
         state = "down" if m is None else "stale" if age * 1000 > settings.stale_after_ms else "fresh"
-        row = {"pod": pod, "state": state, "age_s": round(age, 3), "error": record.error, "scraper": record.scraper}
+        row = {"pod": pod, "state": state, "age_s": round(age, 3), "error": record.error, "scraper": record.scraper,
+               "proven": record.proven, "degraded": list(record.degraded)}
         if m is not None:
             row.update({"waiting": m.num_requests_waiting, "running": m.num_requests_running,
                         "kv_pct": round(m.kv_cache_usage * 100, 1), "running_adapters": sorted(m.running_lora_adapters),
@@ -208,8 +216,11 @@ def _status_text(rows: list[dict], version: int, settings: Settings, leader: str
                          f"{r['inflight']:>5}{r.get('prefix_blocks', 0):>7}"
                          f"{r['kv_pct']:>6}{str(r['max_lora']):>5}  {','.join(r['running_adapters']) or '-'} / "
                          f"{','.join(r['waiting_adapters']) or '-'}")
+            if r.get("degraded"):
+                lines.append(f"{'':<28}read in part, routed on the rest: {'; '.join(r['degraded'])}")
         else:
-            lines.append(f"{r['pod']:<28}{'-':<8}{r['state']:<7}{r.get('age_s', '-'):>7}  {r['error']}")
+            unproven = "" if r.get("proven", True) else " (never read as a model server: LiteLLM routes it)"
+            lines.append(f"{r['pod']:<28}{'-':<8}{r['state']:<7}{r.get('age_s', '-'):>7}  {r['error']}{unproven}")
     return "\n".join(lines)
 
 
@@ -219,7 +230,7 @@ def run_status(args: argparse.Namespace) -> int:
     while True:
         try:
             copy = live_settings.read(client, settings.key_prefix)
-            rows = status_rows(settings, _records(client, settings, pods), time.time())
+            rows = status_rows(settings, _records(client, settings, pods), redis_now(client, settings))
             proxies, inflight, index_sizes = read_shared_tables(client, settings.key_prefix)
         except redis.RedisError as exc:
             print(f"error: Redis at {settings.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
@@ -246,8 +257,9 @@ def run_explain(args: argparse.Namespace) -> int:
     pods = discover_pods(config.get("model_list") or [])
     records = {p: r for p, r in _records(client, settings, pods).items() if r is not None}
     fleet = FleetView(settings)
-    fleet.update(records)
-    candidates = fleet.candidates(list(records), time.time())
+    now = redis_now(client, settings)  # records are on Redis's clock (clock.py): so is this view
+    fleet.update(records, now)
+    candidates = fleet.candidates(list(records), now)
     messages = _explained_messages(args)
     _replay_shared_prefixes(client, fleet, settings)
     request = fleet.route_request(args.model, args.model, messages, {"cache_salt": args.cache_salt},

@@ -43,6 +43,7 @@ _MAX_QUEUE = 10_000_000
 _MAX_BLOCK_SIZE = 1 << 16  # tokens per KV block (vLLM: 16-256)
 _MAX_GPU_BLOCKS = 1 << 31  # KV blocks per pod
 _MAX_LORA = 1024  # GPU adapter slots
+_MAX_PROBLEMS = 16  # a page's problems described, at most
 
 
 class MetricsPageError(ValueError):
@@ -106,7 +107,7 @@ def _int_label(labels: dict[str, str], key: str, limit: int) -> int | None:
     return int(value)
 
 
-def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
+def parse_metrics(text: str, engine: str = "vllm", problems: list[str] | None = None) -> PodMetrics:
     """Parse one pod's `/metrics` page, written by `engine` (a name in `engines.ENGINES`).
 
     Older and current vLLM alike: GPU slots from `lora_requests_info{max_lora}` or
@@ -115,6 +116,10 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
     queues summed, KV-cache usage the mean. `lora_requests_info` holds one series per state change;
     its value is a timestamp and the largest one is the current state.
     Raises MetricsPageError when the page has no queue metrics or a needed value is invalid.
+
+    With a `problems` list, a page that parses in part still describes its pod: a bad sample outside the
+    queue families is skipped (its figure keeps its default) and described in `problems`; only a bad or
+    missing queue figure raises (a pod's queue is the one number no rule can do without).
     """
     profile: EngineProfile = ENGINES[engine]
     wanted = _WANTED[engine]
@@ -130,46 +135,58 @@ def parse_metrics(text: str, engine: str = "vllm") -> PodMetrics:
     for line in text.splitlines():
         if not line.startswith(wanted):
             continue
-        name, labels, value = _split_sample(line)
-        if "model_name" in labels and name in (profile.waiting, profile.running):
-            model_names.add(labels["model_name"])
-        if name == profile.waiting:
-            waiting[_engine(labels)] = _count(name, value)
-        elif name == profile.running:
-            running[_engine(labels)] = _count(name, value)
-        elif name in profile.kv_usage:
-            if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-                raise MetricsPageError(f"{name}: {value!r} is outside 0..1")
-            kv.setdefault(name, {})[_engine(labels)] = value
-        elif name == _LORA_INFO:
-            if math.isfinite(value) and (lora_latest is None or value > lora_latest[0]):
-                lora_latest = (value, labels)
-        elif name == profile.cache_config:
-            block_size = _int_label(labels, profile.block_size_label, _MAX_BLOCK_SIZE)
-            num_gpu_blocks = _int_label(labels, profile.num_blocks_label, _MAX_GPU_BLOCKS)
-        elif name == profile.block_size_metric:
-            block_size = _gauge_int(name, value, _MAX_BLOCK_SIZE)
-        elif name == profile.num_blocks_metric:
-            num_gpu_blocks = _gauge_int(name, value, _MAX_GPU_BLOCKS)
-        elif name == _LORA_LOADED:
-            # In a GPU slot, or pinned (vLLM keeps a pinned adapter loaded whatever the LRU says).
-            resident = labels.get("level", "gpu") == "gpu" or labels.get("pinned", "").lower() == "true"
-            if resident and value > 0 and labels.get("adapter_name"):
-                loaded.add(labels["adapter_name"])
-        elif name == profile.lora_slots:
-            if math.isfinite(value) and 0 <= value <= 1024:
-                lora_slots = int(value)
-        elif name in _COUNTERS:
-            if math.isfinite(value) and value >= 0:  # a bad counter costs its rate, not the pod
-                field = _COUNTERS[name]
-                counters[field] = counters.get(field, 0.0) + value
+        try:
+            name, labels, value = _split_sample(line)
+            if "model_name" in labels and name in (profile.waiting, profile.running):
+                model_names.add(labels["model_name"])
+            if name == profile.waiting:
+                waiting[_engine(labels)] = _count(name, value)
+            elif name == profile.running:
+                running[_engine(labels)] = _count(name, value)
+            elif name in profile.kv_usage:
+                if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                    raise MetricsPageError(f"{name}: {value!r} is outside 0..1")
+                kv.setdefault(name, {})[_engine(labels)] = value
+            elif name == _LORA_INFO:
+                if math.isfinite(value) and (lora_latest is None or value > lora_latest[0]):
+                    lora_latest = (value, labels)
+            elif name == profile.cache_config:
+                block_size = _int_label(labels, profile.block_size_label, _MAX_BLOCK_SIZE)
+                num_gpu_blocks = _int_label(labels, profile.num_blocks_label, _MAX_GPU_BLOCKS)
+            elif name == profile.block_size_metric:
+                block_size = _gauge_int(name, value, _MAX_BLOCK_SIZE)
+            elif name == profile.num_blocks_metric:
+                num_gpu_blocks = _gauge_int(name, value, _MAX_GPU_BLOCKS)
+            elif name == _LORA_LOADED:
+                # In a GPU slot, or pinned (vLLM keeps a pinned adapter loaded whatever the LRU says).
+                resident = labels.get("level", "gpu") == "gpu" or labels.get("pinned", "").lower() == "true"
+                if resident and value > 0 and labels.get("adapter_name"):
+                    loaded.add(labels["adapter_name"])
+            elif name == profile.lora_slots:
+                if math.isfinite(value) and 0 <= value <= 1024:
+                    lora_slots = int(value)
+            elif name in _COUNTERS:
+                if math.isfinite(value) and value >= 0:  # a bad counter costs its rate, not the pod
+                    field = _COUNTERS[name]
+                    counters[field] = counters.get(field, 0.0) + value
+        except MetricsPageError as exc:
+            if problems is None or line.startswith((profile.waiting, profile.running)):
+                raise
+            if len(problems) < _MAX_PROBLEMS:
+                problems.append(str(exc)[:200])
 
     if not running and not waiting:
         raise MetricsPageError(f"not a {profile.title} metrics page: neither {profile.running} nor {profile.waiting} found")
 
     lora = lora_latest[1] if lora_latest else {}
     # Since vLLM PR #26801 both adapter lists name every active adapter; running | waiting stays right.
-    max_lora = _int_label(lora, "max_lora", _MAX_LORA)
+    try:
+        max_lora = _int_label(lora, "max_lora", _MAX_LORA)
+    except MetricsPageError as exc:
+        if problems is None:
+            raise
+        problems.append(f"{_LORA_INFO}: {exc}"[:200])
+        max_lora = None
     kv_values = next((kv[n] for n in profile.kv_usage if n in kv), {})  # the newer name, when a page has both
     return PodMetrics(
         num_requests_waiting=sum(waiting.values()),

@@ -2,10 +2,17 @@
 
 Every OpenAI-compatible provider (`hosted_vllm/`, `openai/`, ...) goes through the same code path:
 a pod is identified by its normalized `api_base`, whatever the provider prefix.
+
+A deployment with an `api_base` is only a candidate pod: configs mix model servers with hosted providers
+(Azure, OpenAI-compatible APIs) that have one too. The scraper reads each candidate's `/metrics`; the
+plugin routes a deployment only once its page parsed as a known model server's (the record's `proven`),
+or when the operator marks it (`model_info: {lora_affinity_pod: true}`; `false` keeps it out, unscraped).
+The metrics token goes only to pods the operator named for it (`metrics_token_pods`).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
@@ -46,14 +53,49 @@ def deployment_pod(deployment: Mapping[str, Any]) -> str | None:
         return None
 
 
+POD_MARKER = "lora_affinity_pod"
+"""`model_info` key: true, the deployment is a model server pod; false, never treat it as one."""
+
+
+def pod_marks(model_list: Iterable[Mapping[str, Any]]) -> dict[str, bool]:
+    """pod -> the operator's `model_info.lora_affinity_pod`, for pods whose deployments set it (false wins)."""
+    marks: dict[str, bool] = {}
+    for deployment in model_list:
+        mark = (deployment.get("model_info") or {}).get(POD_MARKER)
+        pod = deployment_pod(deployment) if mark is not None else None
+        if pod is not None:
+            marks[pod] = marks.get(pod, True) and _truthy(mark)
+    return marks
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).strip().lower() in ("true", "yes", "1", "on")
+
+
 def discover_pods(model_list: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Every distinct pod named by a config's `model_list`, in order of first appearance."""
+    """Every distinct candidate pod named by a config's `model_list`, in order of first appearance: each
+    deployment with an api_base, unless marked `lora_affinity_pod: false`."""
+    model_list = list(model_list)
+    excluded = {pod for pod, mark in pod_marks(model_list).items() if not mark}
     seen: dict[str, None] = {}
     for deployment in model_list:
         pod = deployment_pod(deployment)
-        if pod:
+        if pod and pod not in excluded:
             seen.setdefault(pod)
     return list(seen)
+
+
+def token_pods(model_list: Iterable[Mapping[str, Any]], host_patterns: Iterable[str]) -> frozenset[str]:
+    """The pods that may receive the metrics token: marked `lora_affinity_pod: true`, or whose `host:port`
+    matches one of `host_patterns` (shell wildcards, case-insensitive). Every other api_base never sees it."""
+    model_list = list(model_list)
+    patterns = [p.strip().lower() for p in host_patterns if p.strip()]
+    chosen = {pod for pod, mark in pod_marks(model_list).items() if mark}
+    for pod in discover_pods(model_list):
+        netloc = urlsplit(pod).netloc
+        if any(fnmatch.fnmatchcase(netloc, pattern) for pattern in patterns):
+            chosen.add(pod)
+    return frozenset(chosen)
 
 
 def _provider_prefixes() -> frozenset[str]:

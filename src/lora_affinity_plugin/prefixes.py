@@ -4,7 +4,8 @@ The router cannot see the replicas' tokenizer, so it cuts the prompt's text (cha
 canonically, or the completion prompt) into blocks of `prefix_block_chars` bytes of UTF-8 and hashes
 them in a chain: block i's hash covers every byte before it. The chain is seeded by the adapter (or
 base model) and the request's `cache_salt`, as vLLM's own block hash is, so the same text under
-another adapter or salt never matches. A partial last block is not hashed.
+another adapter or salt never matches; with `prefix_isolation`, by the request's team or key too, so a
+caller's prompt never follows another tenant's to its pod. A partial last block is not hashed.
 
 Time is bounded whatever the request holds: at most `prefix_max_chars` of the prompt, from at most
 its first 1024 messages, is rendered and hashed (a 10 MB prompt costs what its first
@@ -146,6 +147,25 @@ def request_salt(request_kwargs: Any) -> str | None:
     return salt if isinstance(salt, str) else None
 
 
+def request_tenant(request_kwargs: Any, isolation: str) -> str:
+    """Who a request's cached prompts belong to under `prefix_isolation`: its LiteLLM team (`team`; a key in no
+    team is a team of its own) or its API key's hash (`key`), from the metadata LiteLLM's proxy adds to every
+    request. A request without either (a `litellm.Router` user's) is its own anonymous tenant, ""."""
+    if not isinstance(request_kwargs, dict):
+        return ""
+    for bucket_name in ("metadata", "litellm_metadata"):
+        bucket = request_kwargs.get(bucket_name)
+        if not isinstance(bucket, dict):
+            continue
+        key = bucket.get("user_api_key_hash") or bucket.get("user_api_key")
+        team = bucket.get("user_api_key_team_id") if isolation == "team" else None
+        if team:
+            return f"team:{team}"
+        if key:
+            return f"key:{key}"
+    return ""
+
+
 def placement_key(scope: str, hashes: tuple[int, ...]) -> int:
     """What gateways agree on when placing a new adapter or prefix: the scope and the first block."""
     return zlib.crc32(f"{scope}\x00{hashes[0] if hashes else ''}".encode("utf-8", "surrogatepass"))
@@ -170,6 +190,8 @@ def prompt_prefix(messages: Any, scope: str, request_kwargs: Any, settings: Any)
     if settings.rule_set == "sglang-cache-aware":
         scope = ""  # its radix tree is per worker, not per adapter
     salt = request_salt(request_kwargs)
+    if settings.prefix_isolation != "off":
+        salt = f"{salt or ''}\x00{request_tenant(request_kwargs, settings.prefix_isolation)}"
     head = _first_message(messages, limit)
     rendered = len(head[0]) + len(head[1]) + 2 if head is not None else 0
     if head is not None and 2 * block <= rendered:  # the common long prompt: a system prompt first

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from typing import Any, Mapping
 
 import httpx
@@ -17,13 +18,13 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from .compat import models_a_caller_may_call
 from .discovery import install_listing
+from .episodes import Episode
 from .fleet import FleetView
 from .inflight import Dispatch
 from .memtrace import ENV, install_from_env
 from .metrics import POD_REFUSED
-from .pods import discover_pods
 from .pooling import warn_if_litellm_outlives_server_keepalive
-from .settings import Settings, load_config, settings_from_config
+from .settings import Settings, SettingsError, load_config, settings_from_config
 from .strategy import LoraAffinityStrategy, install, installed_strategy, logger
 
 
@@ -62,47 +63,74 @@ class ProxyPlugin(CustomLogger):
         self._watcher: asyncio.Task | None = None
         self._strategy: LoraAffinityStrategy | None = None
         self._listing_installed = False
+        self._refused_routers: weakref.WeakSet[Any] = weakref.WeakSet()
+        """Routers that did not keep the strategy (a LiteLLM internal moved): left to LiteLLM, not retried."""
+        self._bad_config: tuple[str, float] | None = None
+        """(path, modification time) of a config whose `lora_affinity:` section was refused: read again on change."""
+        self._watch_failing = Episode(logger, "lora-affinity could not install its routing strategy")
         try:
             self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="lora-affinity-install")
         except RuntimeError:
             pass  # imported outside the proxy's loop: the first request installs it
 
-    def settings(self) -> Settings:
+    def settings(self) -> Settings | None:
+        """The plugin's settings from the proxy's config file, read once; None while the file's `lora_affinity:`
+        section is invalid (said once; the file is read again only when it changes, never per request)."""
         if self._settings is None:
             from litellm.proxy import proxy_server
 
             path = getattr(proxy_server, "user_config_file_path", None)
-            config = load_config(path) if path else {}
-            self._settings = settings_from_config(config)
+            changed_at = _modified(path) if path else 0.0
+            if self._bad_config is not None and self._bad_config == (path, changed_at):
+                return None
+            try:
+                config = load_config(path) if path else {}
+                settings = settings_from_config(config)
+            except (SettingsError, OSError, ValueError) as exc:
+                self._bad_config = (path, changed_at)
+                logger.error("lora-affinity is not routing: %s: %s; LiteLLM routes every request until the file "
+                             "changes", path, exc)
+                return None
+            self._bad_config = None
+            self._settings = settings
             self._fleet = FleetView(self._settings)
             if self._settings.embedded_scraper:
                 self._start_embedded_scraper(config)
         return self._settings
 
     def _start_embedded_scraper(self, config: dict) -> None:
-        from .engines import pod_engines
         from .scraper import Scraper
 
-        model_list = config.get("model_list") or []
-        scraper = Scraper(self._settings, discover_pods(model_list),
-                          engines=pod_engines(model_list, self._settings.default_engine))
+        scraper = Scraper.for_config(self._settings, config.get("model_list") or [])
         self._scraper_task = asyncio.get_running_loop().create_task(scraper.run())
 
     def ensure_installed(self) -> LoraAffinityStrategy | None:
         from litellm.proxy import proxy_server
 
         router = getattr(proxy_server, "llm_router", None)
-        if router is None:
+        if router is None or router in self._refused_routers:
             return None
         strategy = installed_strategy(router)
         if strategy is None:
+            settings = self.settings()
+            if settings is None:
+                return None
             previous = self._strategy
             if previous is not None:
                 previous.stop()  # the router was rebuilt or reset: one refresher at a time, one pool
-            strategy = self._strategy = install(router, self.settings(), fleet=self._fleet, hooks_end_calls=True,
-                                                pools=previous.pools if previous is not None else None)
+            try:
+                strategy = install(router, settings, fleet=self._fleet, hooks_end_calls=True,
+                                   pools=previous.pools if previous is not None else None)
+                kept = installed_strategy(router) is strategy
+            except Exception as exc:
+                strategy, kept, reason = None, False, f"{type(exc).__name__}: {exc}"
+            else:
+                reason = "the router does not hold a custom routing strategy where this release's plugin API puts it"
+            if not kept:
+                return self._refuse(router, strategy, reason)
+            self._strategy = strategy
             logger.info("lora-affinity routing installed on the proxy's router (Redis %s)",
-                        self.settings().redacted_redis_url())
+                        settings.redacted_redis_url())
             warn_if_litellm_outlives_server_keepalive()
         if not self._listing_installed:  # the proxy adds its routes during start-up: look until they are there
             app = getattr(proxy_server, "app", None)
@@ -110,6 +138,16 @@ class ProxyPlugin(CustomLogger):
                 self._listing_installed = True
                 logger.info("lora-affinity adds the fleet's models to /v1/models")
         return strategy
+
+    def _refuse(self, router: Any, strategy: LoraAffinityStrategy | None, reason: str) -> None:
+        """A LiteLLM internal the plugin needs has moved: say so once, leave the router to LiteLLM, stop trying
+        (reinstalling every watch would open a new refresher and Redis connection each time)."""
+        if strategy is not None:
+            strategy.stop()
+        self._refused_routers.add(router)
+        logger.error("lora-affinity cannot route on LiteLLM %s (%s); LiteLLM's own routing serves every request. "
+                     "Supported releases: docs/using.md, Compatibility", _litellm_release(), reason)
+        return None
 
     def _served_models(self) -> frozenset[str]:
         strategy = self._strategy
@@ -123,17 +161,20 @@ class ProxyPlugin(CustomLogger):
 
     async def _watch(self) -> None:
         while True:
-            try:
-                self.ensure_installed()
-            except Exception:
-                logger.exception("lora-affinity could not install its routing strategy")
+            self._install_quietly()
             await asyncio.sleep(self.WATCH_INTERVAL_S)
 
-    async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):
+    def _install_quietly(self) -> None:
+        """`ensure_installed`, its failures logged once per episode (it runs every watch and every request)."""
         try:
             self.ensure_installed()
-        except Exception:
-            logger.exception("lora-affinity could not install its routing strategy")
+        except Exception as exc:
+            self._watch_failing.fail(f"{type(exc).__name__}: {exc}", exc_info=exc)
+        else:
+            self._watch_failing.recover()
+
+    async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):
+        self._install_quietly()
         return data
 
     # --- in-flight accounting: one count per call id, ended exactly once ----------------------------
@@ -157,11 +198,16 @@ class ProxyPlugin(CustomLogger):
 
     async def async_post_call_success_deployment_hook(self, request_data, response, call_type):
         if not request_data.get("stream"):  # a stream has only started here; its iterator ends it
-            self._end_call(request_data, "success")
+            self._served(self._end_call(request_data, "success"))
         return None
 
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
-        self._end_call(kwargs, "success log")
+        self._served(self._end_call(kwargs, "success log"))
+
+    def _served(self, ended: Dispatch | None) -> None:
+        """A pod answered: the adapter it was asked for is a real one (`FleetView.confirm`)."""
+        if ended is not None and self._fleet is not None:
+            self._fleet.confirm(ended)
 
     async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
         ended = self._end_call(kwargs, "failure log")
@@ -207,6 +253,22 @@ class ProxyPlugin(CustomLogger):
             logger.warning("%s refused a connection: no requests go there until a scrape reads it again", pod)
         else:
             logger.debug("%s refused a connection (already out of routing)", pod)
+
+
+def _modified(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -1.0
+
+
+def _litellm_release() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("litellm")
+    except Exception:
+        return "(release unknown)"
 
 
 def _could_not_connect(exc: BaseException | None) -> bool:

@@ -74,6 +74,13 @@ class RateTracker:
 
     def __init__(self) -> None:
         self._pods: dict[str, _PodHistory] = {}
+        self._seeds: dict[str, PodRates] = {}
+        """Rates another scraper learned (read back from Redis on taking the lease): the start, not the defaults."""
+
+    def seed(self, pod: str, rates: PodRates) -> None:
+        """Start `pod` from `rates` (a previous scraper's, from its record) unless this tracker learned its own."""
+        if rates.learned and pod not in self._pods:
+            self._seeds[pod] = rates
 
     def observe(self, pod: str, counters: PodCounters | None, at: float, running: float = 0.0,
                 kv_tokens: float = 0.0) -> PodRates:
@@ -81,11 +88,14 @@ class RateTracker:
         tokens its KV cache held then; returns its rates (defaults until it did enough)."""
         history = self._pods.get(pod)
         if counters is None:
-            return history.rates if history else DEFAULT_RATES
+            return history.rates if history else self._seeds.get(pod, DEFAULT_RATES)
         load = (running, kv_tokens)
         if history is None:
-            self._pods[pod] = _PodHistory(counters, at, DEFAULT_RATES, counters, load)
-            return DEFAULT_RATES
+            seeded = self._seeds.pop(pod, None)
+            history = self._pods[pod] = _PodHistory(counters, at, seeded or DEFAULT_RATES, counters, load)
+            if seeded is not None:  # a measurement averages with what the previous scraper learned
+                history.measured.update(("prefill_factor", "decode_step_s", "decode_factor", "queue_s_per_request"))
+            return history.rates
         previous, history.counters = history.counters, counters
         interval, history.at = at - history.at, at
         previous_load, history.load = history.load, load
@@ -100,6 +110,8 @@ class RateTracker:
     def forget(self, pods_kept: set[str]) -> None:
         for pod in [p for p in self._pods if p not in pods_kept]:
             del self._pods[pod]
+        for pod in [p for p in self._seeds if p not in pods_kept]:
+            del self._seeds[pod]
 
 
 def decode_load(metrics: PodMetrics) -> tuple[float, float]:

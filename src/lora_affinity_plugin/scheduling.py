@@ -293,7 +293,7 @@ def _lora_affinity(pods: list[Candidate], request: RouteRequest, settings: Setti
         return _cheapest(pods, request, settings, run, "base_model")
 
     fleet_min = min([p.load for p in pods])
-    dealt = _dealt_while_slots_scarce(pods, request, settings, fleet_min)
+    dealt = _dealt_while_slots_scarce(pods, request, settings, fleet_min) if _deals(run) else None
     if dealt:
         return run.pick(run.apply("dealt", pods, dealt), "dealt")
     warm = _warm(pods, request, settings, fleet_min) if long_prompt else []
@@ -435,7 +435,7 @@ def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: Rou
     adapter = request.adapter
     branch = "spill" if holders else "place"
     others = [p for p in pods if adapter not in p.active_adapters] or pods
-    if request.gateways > 1 and request.home is not None:
+    if request.gateways > 1 and request.home is not None and _deals(run):
         least = min(p.load for p in others)
         dealt = [p for p in others if p.key == request.home and p.load <= least + settings.spill_queue_margin]
         if dealt and by_prefix and not _slots_scarce(pods, request):
@@ -469,6 +469,12 @@ def _place_adapter(pods: list[Candidate], holders: list[Candidate], request: Rou
     pods = run.apply("least_load", pods, _least_load(pods, run.width))
     pods = run.apply("least_kv", pods, _least_kv(pods, run.width))
     return run.pick(pods, branch, agree=True)
+
+
+def _deals(run: _Run) -> bool:
+    """`dealt` is a choice, not a filter: disabled, the adapter is placed by the other rules (passing its
+    input on, as a disabled filter does, would pick among every pod at random)."""
+    return not (run.disabled and "dealt" in run.disabled)
 
 
 def _slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:

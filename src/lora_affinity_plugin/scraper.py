@@ -13,11 +13,13 @@ import json
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 
+from .clock import RedisClock
 from .discovery import model_ids, served_models_key
+from .engines import pod_engines
 from .episodes import Episode
 from .lease import LeaseResult, lease_and_write, worker_id
 from .live_settings import LiveCopy, apply_live, settings_key
@@ -33,10 +35,11 @@ from .metrics import (
     SCRAPER_LEADER,
 )
 from .parsing import MetricsPageError, parse_metrics
+from .pods import discover_pods, pod_marks, token_pods
 from .rates import RateTracker, decode_load
 from .scheduling import PodMetrics
 from .settings import Settings, SettingsError
-from .store import PodRecord, connect, pod_key
+from .store import PodRecord, connect, decode_records, pod_key
 
 __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
 
@@ -86,14 +89,15 @@ class Scraper:
     """Scrapes a fixed list of pods (from the config, never from requests) into Redis."""
 
     def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None,
-                 parse: Callable[[str], PodMetrics] = parse_metrics, engines: Mapping[str, str] | None = None):
+                 parse: Callable[[str], PodMetrics] = parse_metrics, engines: Mapping[str, str] | None = None,
+                 token_pods: Iterable[str] = (), marked_pods: Iterable[str] = ()):
         self.base_settings = settings
         self.settings = settings
         self.settings_version = 0
         self._rejected: bytes | None = None
         self.pods = list(pods)
         for pod in self.pods:  # at 0 from the start, so an alert's increase() sees the first error too
-            for kind in ("page", "timeout", "connection"):
+            for kind in ("page", "partial", "timeout", "connection"):
                 SCRAPE_ERRORS.labels(pod, kind)
         self._parse = parse
         """For vLLM pages: `parse_metrics`; the scrape-scale benchmark swaps in a full parse to compare."""
@@ -109,29 +113,72 @@ class Scraper:
         self._next_models = 0.0
         self.rates = RateTracker()
         """Each pod's speeds, learned from the deltas of its histograms between this worker's scrapes."""
+        self.token_pods = frozenset(token_pods)
+        """The pods `metrics_bearer_token` goes to; no other api_base ever receives it."""
+        self.proven: set[str] = set(marked_pods)
+        """Pods whose page parsed as a model server's (or the operator marked): they stay pods when they fail."""
+        self.clock = RedisClock()
+        """Records are stamped on Redis's clock (`clock.py`)."""
+        self._last_good: dict[str, PodRecord] = {}
+        """Each pod's last fully read record: a page that cannot be read for a moment does not drain the pod."""
+        self._adopted = False
+        if settings.metrics_bearer_token is not None and not self.token_pods:
+            logger.warning("metrics_bearer_token is set but no pod is named for it (metrics_token_pods, or "
+                           "model_info.lora_affinity_pod: true): it is sent to none")
+
+    @classmethod
+    def for_config(cls, settings: Settings, model_list: Sequence[Mapping[str, Any]], redis_client=None) -> "Scraper":
+        """The scraper of a proxy config's `model_list`: its candidate pods, their engines, who gets the token.
+        ValueError names a bad `model_info.engine`."""
+        model_list = list(model_list)
+        return cls(settings, discover_pods(model_list), redis_client,
+                   engines=pod_engines(model_list, settings.default_engine),
+                   token_pods=token_pods(model_list, settings.metrics_token_pods),
+                   marked_pods=[pod for pod, mark in pod_marks(model_list).items() if mark])
 
     async def _scrape_pod(self, pod: str) -> PodRecord:
         started = time.time()
+        scraped_at = self.clock.to_redis(started)
         token = self.settings.metrics_bearer_token
-        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else None
+        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token and pod in self.token_pods else None
         try:
             text = await self._http.fetch(pod + self.settings.metrics_path, headers, self.settings.max_page_bytes,
                                           self.settings.scrape_timeout_ms / 1000)
             engine = self.engines.get(pod, self.settings.default_engine)
-            metrics = self._parse(text) if engine == "vllm" else parse_metrics(text, engine)
+            problems: list[str] = []
+            metrics = (self._parse(text) if self._parse is not parse_metrics and engine == "vllm"
+                       else parse_metrics(text, engine, problems))
             rates = self.rates.observe(pod, metrics.counters, started, *decode_load(metrics))
+            self.proven.add(pod)
             # The counters served their purpose here; the record carries what they taught.
-            return PodRecord(pod=pod, scraped_at=started, metrics=replace(metrics, counters=None),
-                             rates=rates if rates.learned else None)
+            record = PodRecord(pod=pod, scraped_at=scraped_at, metrics=replace(metrics, counters=None),
+                               rates=rates if rates.learned else None, proven=True, degraded=tuple(problems))
+            if problems:
+                SCRAPE_ERRORS.labels(pod, "partial").inc()
+            else:
+                self._last_good[pod] = record
+            return record
         except MetricsPageError as exc:
             SCRAPE_ERRORS.labels(pod, "page").inc()
-            return PodRecord(pod=pod, scraped_at=started, metrics=None, error=str(exc))
+            return self._unreadable(pod, scraped_at, str(exc))
         except asyncio.TimeoutError:
             SCRAPE_ERRORS.labels(pod, "timeout").inc()
-            return PodRecord(pod=pod, scraped_at=started, metrics=None, error="timed out")
+            return self._failed(pod, scraped_at, "timed out")
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             SCRAPE_ERRORS.labels(pod, "connection").inc()
-            return PodRecord(pod=pod, scraped_at=started, metrics=None, error=f"{type(exc).__name__}: {exc}"[:200])
+            return self._failed(pod, scraped_at, f"{type(exc).__name__}: {exc}"[:200])
+
+    def _failed(self, pod: str, scraped_at: float, error: str) -> PodRecord:
+        return PodRecord(pod=pod, scraped_at=scraped_at, metrics=None, error=error, proven=pod in self.proven)
+
+    def _unreadable(self, pod: str, scraped_at: float, error: str) -> PodRecord:
+        """A pod that answers with a page it cannot be routed on (its queue figures bad or missing): its last
+        good figures, at their own age, while they are fresh (the proxies then age them out as usual); a pod
+        that answers is not drained by one bad page."""
+        last = self._last_good.get(pod)
+        if last is None or scraped_at - last.scraped_at > self.settings.stale_after_ms / 1000:
+            return self._failed(pod, scraped_at, error)
+        return replace(last, degraded=(f"unreadable page, last good figures kept: {error}"[:200],))
 
     async def scrape_once(self) -> list[PodRecord]:
         """Scrape every pod concurrently and write all records in one round trip, if holding the lease.
@@ -143,6 +190,8 @@ class Scraper:
             self._redis = connect(self.settings)
         if not self.leader and not await self._lease():
             return []
+        if not self._adopted:
+            await self._adopt()
         records = await asyncio.gather(*(self._scrape_pod(pod) for pod in self.pods))
         self.cycles += 1
         for record in records:
@@ -154,6 +203,21 @@ class Scraper:
             self._next_models = time.monotonic() + self.settings.models_refresh_ms / 1000
             await self.publish_served_models()
         return records
+
+    async def _adopt(self) -> None:
+        """On taking the lease: what the previous holder learned, from its records (rates, proven pods), so a
+        failover or restart starts from it rather than from the defaults."""
+        try:
+            records = decode_records(self.pods, await self._redis.mget([pod_key(self.settings, p) for p in self.pods]))
+        except Exception as exc:
+            self._redis_down.fail(type(exc).__name__)
+            return
+        self._adopted = True
+        for pod, record in records.items():
+            if record.rates is not None:
+                self.rates.seed(pod, record.rates)
+            if record.proven:
+                self.proven.add(pod)
 
     async def publish_served_models(self) -> frozenset[str]:
         """The union of the pods' `/v1/models` into Redis; pods that fail are left out (and the key ages)."""
@@ -176,15 +240,18 @@ class Scraper:
     async def _lease(self, records: list[tuple[str, bytes]] | None = None) -> bool:
         """Take or renew the lease, writing `records` only while holding it; False when not the leader."""
         try:
+            sent = time.time()
             result: LeaseResult = await lease_and_write(
                 self._redis, self.base_settings.key_prefix, self.worker, self.settings.scraper_lease_ms,
                 self.settings.metrics_ttl_ms, settings_key(self.base_settings.key_prefix), records or ())
+            self.clock.observe(result.redis_time, sent, time.time())
         except Exception as exc:  # redis errors of any kind: keep trying every cycle
             self._redis_down.fail(type(exc).__name__)
             return self.leader
         self._redis_down.recover()
         if result.leader != self.leader:
             logger.info("%s the scraper lease (%s)", "took" if result.leader else "lost", result.holder)
+            self._adopted = False  # a new term: read what the holder before learned
         self.leader, self.holder = result.leader, result.holder
         SCRAPER_LEADER.set(1 if result.leader else 0)
         if result.settings_raw is not None:

@@ -33,7 +33,7 @@ RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_l
 # Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
 GROUP_SETTINGS = ("queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
                   "rule_set", "spill_queue_margin", "cost_band_ms", "cost_band_ratio", "band_width", "disabled_rules", "shedding",
-                  "prefix_affinity", "prefix_queue_margin", "prefix_queue_ratio", "prefix_min_blocks")
+                  "prefix_affinity", "prefix_queue_margin", "prefix_queue_ratio", "prefix_min_blocks", "prefix_isolation")
 
 
 class SettingsError(ValueError):
@@ -62,7 +62,11 @@ class Settings(BaseModel):
     metrics_path: str = "/metrics"
     """The path of each pod's metrics page."""
     metrics_bearer_token: SecretStr | None = None
-    """Sent as `Authorization: Bearer ...` to every /metrics (vLLM behind an auth proxy); never logged."""
+    """Sent as `Authorization: Bearer ...` to the /metrics of the pods `metrics_token_pods` names (vLLM behind
+    an auth proxy), and to no other api_base; never logged."""
+    metrics_token_pods: list[str] = Field(default_factory=list)
+    """`host:port` patterns (`*` wildcards, e.g. `vllm-*.inference.svc:8000`) of the pods that get
+    `metrics_bearer_token`; deployments marked `model_info: {lora_affinity_pod: true}` get it too."""
     embedded_scraper: bool = False
     """Run the scraper inside the proxy (instead of `lora-affinity scrape`)."""
     scraper_lease_ms: int = Field(1_000, ge=50, le=60_000)
@@ -104,7 +108,8 @@ class Settings(BaseModel):
     band_width: float = Field(1.0, ge=0.0, le=100.0)
     """Width of the "least" bands in units of (max - min) / N: 1 is the endpoint picker's, 0 keeps only the minimum."""
     disabled_rules: list[RuleName] = Field(default_factory=list)
-    """Filters to skip (each passes its input on); the order of the others is the rule set's."""
+    """Filters to skip (each passes its input on); the order of the others is the rule set's. `dealt` is a
+    choice, not a filter: disabled, gateways stop dealing adapters over the pods and place them by the other rules."""
     model_group_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per model group (a deployment's `model_name`), any of the settings marked *live, per group*, e.g.
     `{batch-lora: {rule_set: gie-v0.2}}`."""
@@ -154,6 +159,10 @@ class Settings(BaseModel):
     """Index entries unused this long are dropped."""
     share_prefixes: bool = True
     """Each proxy's new index entries reach its peers in the refresh it already makes."""
+    prefix_isolation: Literal["off", "team", "key"] = "off"
+    """Whose cached prompts a request may follow: `off`, anyone's (the best reuse; a caller can tell by its
+    latency where another caller's prompt is cached); `team`, its LiteLLM team's only; `key`, its API key's only.
+    A request's `cache_salt` always separates it too."""
 
     @field_validator("redis_url")
     @classmethod
@@ -200,7 +209,7 @@ class Settings(BaseModel):
 
 # Settings an operator may change at run time (`lora-affinity thresholds set`); the rest need a restart.
 RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
-                          "adapter_info_key", "metrics_bearer_token"})
+                          "adapter_info_key", "metrics_bearer_token", "metrics_token_pods"})
 LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 

@@ -3,13 +3,20 @@
 Layout (all keys share the `{prefix}` hash tag so pipelines stay on one Redis Cluster slot):
     {prefix}:pod:<pod key>  ->  JSON record, expires after `metrics_ttl_ms`
 A record carries the metrics or the reason a pod could not be read, and when it was scraped.
+
+Records outlive the process that wrote them and are read by other versions during a rolling upgrade.
+Every record says its format (`v`); readers ignore fields they do not know and default the ones a
+record lacks, so a newer writer never drains an older fleet. Format 1 readers (the plugin before `v`
+existed) build `PodMetrics` from the `metrics` object as it is: new fields go at the top level, never
+inside `metrics`, until no format 1 reader is left. `scraped_at` is on Redis's clock (`TIME`) from
+format 2 on, so proxies on other hosts measure ages without trusting their clocks to agree (`clock.py`).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
 from .connection import async_client
@@ -32,6 +39,15 @@ class PodRecord:
     """`worker#token` of the scraper that wrote it."""
     rates: PodRates | None = None
     """The pod's speeds as the scraper learned them from its histograms (None: not learned)."""
+    proven: bool = False
+    """Its page has parsed as a known model server's, now or at an earlier scrape: a pod the plugin routes.
+    A deployment that never was one (a hosted provider's api_base) stays LiteLLM's."""
+    degraded: tuple[str, ...] = ()
+    """What a page that parsed in part lacked or got wrong: the pod is routed on the rest."""
+
+    def __post_init__(self) -> None:
+        if self.metrics is not None and not self.proven:  # a page that parsed proves its pod
+            object.__setattr__(self, "proven", True)
 
     @property
     def ok(self) -> bool:
@@ -41,8 +57,10 @@ class PodRecord:
         return max(0.0, (time.time() if now is None else now) - self.scraped_at)
 
     def to_json(self) -> bytes:
-        body: dict[str, Any] = {"pod": self.pod, "scraped_at": self.scraped_at, "error": self.error,
-                                "scraper": self.scraper}
+        body: dict[str, Any] = {"v": FORMAT, "pod": self.pod, "scraped_at": self.scraped_at, "error": self.error,
+                                "scraper": self.scraper, "proven": self.proven}
+        if self.degraded:
+            body["degraded"] = list(self.degraded)
         if self.metrics is not None:
             metrics = asdict(self.metrics)
             for key, value in metrics.items():
@@ -55,17 +73,58 @@ class PodRecord:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> PodRecord:
+        """Any format's record: unknown fields ignored, missing ones defaulted. KeyError/ValueError/TypeError
+        only when it names no pod or no scrape time."""
         body = json.loads(raw)
-        metrics = body.get("metrics")
-        if metrics is not None:
-            for key in ("running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "model_names"):
-                metrics[key] = frozenset(metrics.get(key) or ())
-            counters = metrics.get("counters")
-            metrics["counters"] = PodCounters(**counters) if counters else None
-            metrics = PodMetrics(**metrics)
-        rates = body.get("rates")
-        return cls(pod=body["pod"], scraped_at=float(body["scraped_at"]), metrics=metrics, error=body.get("error"),
-                   scraper=body.get("scraper"), rates=_rates(rates))
+        if not isinstance(body, dict):
+            raise ValueError("a pod record is a JSON object")
+        metrics = _metrics(body.get("metrics"))
+        degraded = body.get("degraded")
+        return cls(pod=str(body["pod"]), scraped_at=float(body["scraped_at"]), metrics=metrics,
+                   error=_text(body.get("error")), scraper=_text(body.get("scraper")), rates=_rates(body.get("rates")),
+                   proven=body.get("proven") is True,
+                   degraded=tuple(str(d)[:200] for d in degraded[:16]) if isinstance(degraded, list) else ())
+
+
+FORMAT = 2
+"""The record format this version writes (`v`). 1: no `v` field, scraped_at on the scraper's own clock."""
+
+_SETS = frozenset({"running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "model_names"})
+_METRICS_FIELDS = {f.name: f.default for f in fields(PodMetrics)}
+_COUNTER_FIELDS = frozenset(f.name for f in fields(PodCounters))
+
+
+def _metrics(body: Any) -> PodMetrics | None:
+    """`PodMetrics` from what a record holds: the fields this version knows, each checked for its type
+    (a field another version means differently falls back to its default, never the whole record)."""
+    if not isinstance(body, dict):
+        return None
+    values: dict[str, Any] = {}
+    for name, default in _METRICS_FIELDS.items():
+        if name not in body or name == "counters":
+            continue
+        value = body[name]
+        if name in _SETS:
+            if isinstance(value, list):
+                values[name] = frozenset(str(v) for v in value)
+        elif isinstance(default, float):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[name] = float(value)
+        elif name == "engine":
+            if isinstance(value, str):
+                values[name] = value
+        elif isinstance(value, int) and not isinstance(value, bool) or value is None and default is None:
+            values[name] = value
+    counters = body.get("counters")
+    if isinstance(counters, dict):
+        known = {k: float(v) for k, v in counters.items()
+                 if k in _COUNTER_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        values["counters"] = PodCounters(**known)
+    return PodMetrics(**values)
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _rates(body: Any) -> PodRates | None:

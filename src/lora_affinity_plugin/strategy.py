@@ -3,7 +3,9 @@
 One request's path: LiteLLM's router calls `LoraAffinityStrategy.async_get_available_deployment`;
 it asks the router for the healthy deployments once (so cooldowns still apply), maps each to a pod,
 builds candidates from the in-process `FleetView` (no Redis on the request path), and lets
-`scheduling.choose_pod` pick. Any plugin failure falls back to a simple-shuffle pick.
+`scheduling.choose_pod` pick. A model group with no proven pod (`PodRecord.proven`: hosted providers,
+deployments the operator marked out) is LiteLLM's, untouched. When the plugin cannot decide for a group
+it routes (no fresh metrics, a bug), LiteLLM's own pick decides, and the episode is logged once.
 
 Proxy users list one line in `config.yaml` (the callback lives in `proxy_callback.py`):
     litellm_settings:
@@ -32,7 +34,7 @@ from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
-from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard
+from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard, pod_marks
 from .pooling import POOLED_PROVIDERS, PooledClients, provider_of
 from .scheduling import NoCapacity, Shed, choose_pod
 from .settings import Settings, build_settings
@@ -66,6 +68,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self._refresher: asyncio.Task | None = None
         self.decisions = 0
         self.fallbacks = 0
+        self.stopped = False
         self.hooks_end_calls = hooks_end_calls
         """True under `ProxyPlugin`, whose LiteLLM hooks end each call: then decisions count by call id."""
 
@@ -83,12 +86,15 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                                  request_kwargs if request_kwargs is not None else {})
 
     async def _route(self, model: str, messages, input, specific_deployment, request_kwargs: dict) -> dict:
-        if not self._manages(model):
+        if self.stopped or not self._manages(model):
             return await host_pick(self.router, model, messages, input, specific_deployment, request_kwargs)
         healthy = await healthy_deployments(self.router, model, request_kwargs, messages, input, specific_deployment)
         if isinstance(healthy, dict):
             return healthy
-        return self.pick(model, healthy, request_kwargs, messages)
+        chosen = self.pick(model, healthy, request_kwargs, messages)
+        if chosen is None:  # the plugin could not decide: LiteLLM's own pick, as without the plugin
+            return await host_pick(self.router, model, messages, input, specific_deployment, request_kwargs)
+        return chosen
 
     def get_available_deployment(self, model: str, messages=None, input=None, specific_deployment=False,
                                  request_kwargs=None):
@@ -96,8 +102,10 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         return host_pick_sync(self.router, model, messages, input, specific_deployment, request_kwargs)
 
     # --- the decision --------------------------------------------------------------------------
-    def pick(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any = None) -> dict:
-        """Choose one of `healthy`; raises litellm's 429/503 errors, falls back on anything else."""
+    def pick(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any],
+             messages: Any = None) -> dict | None:
+        """Choose one of `healthy`; raises litellm's 429/503 errors; None when the plugin cannot decide (no
+        fresh metrics, or any failure of its own): the caller hands the request to LiteLLM's pick."""
         if not healthy:
             raise litellm.ServiceUnavailableError(
                 message=f"lora-affinity: no healthy deployment for model {model!r}", llm_provider="", model=model)
@@ -110,15 +118,14 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         except NoCapacity as exc:
             NO_CAPACITY.labels(self._criticality(model, request_kwargs), _group(model, healthy)).inc()
             raise litellm.ServiceUnavailableError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
-        except Exception as exc:  # a plugin bug must never fail a request
-            logger.exception("lora-affinity decision failed; falling back")
-            self._fallback(_group(model, healthy)).fail(f"{type(exc).__name__}")
+        except Exception as exc:  # a plugin bug must never fail a request; its traceback once per episode
+            self._fallback(_group(model, healthy)).fail(f"decision failed: {type(exc).__name__}: {exc}", exc_info=exc)
             FALLBACKS.labels("error").inc()
             deployment = None
         DECISION_SECONDS.observe(time.perf_counter() - started)
         if deployment is None:
             self.fallbacks += 1
-            return healthy[self.rng.randrange(len(healthy))]
+            return None
         episode = self._fallbacks.get(_group(model, healthy))
         if episode is not None:
             episode.recover()
@@ -199,7 +206,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         episode = self._fallbacks.get(model)
         if episode is None:
             episode = self._fallbacks[model] = Episode(
-                logger, f"routing by metrics unavailable for {model!r}, picking like simple-shuffle")
+                logger, f"routing by metrics unavailable for {model!r}, LiteLLM's own pick decides")
             if len(self._fallbacks) > _NAMES_CACHED:
                 self._fallbacks.popitem(last=False)
         return episode
@@ -228,11 +235,15 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         return False
 
     def _manages(self, model: str) -> bool:
-        """A model group is ours when at least one of its deployments has pod metrics."""
-        return self.fleet.knows(self._index.pods_for_model(model_list(self.router), model))
+        """A model group is ours when one of its deployments is a proven pod (its page parsed as a model
+        server's, or the operator marked it); a group of hosted providers stays LiteLLM's, as without the plugin."""
+        pods = self._index.pods_for_model(model_list(self.router), model)
+        return self.fleet.manages(pods) or self._index.marked(pods)
 
     # --- background: keep the fleet view fresh -------------------------------------------------
     def ensure_refresher(self) -> None:
+        if self.stopped:
+            return
         if self._refresher is None or self._refresher.done():
             try:
                 loop = asyncio.get_running_loop()
@@ -252,7 +263,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.fleet.settings = settings
 
     def stop(self) -> None:
-        """Stop refreshing; the pool stays open for the calls still using it (the next strategy reuses it)."""
+        """Stop refreshing, for good; the pool stays open for the calls still using it (the next strategy reuses
+        it). A stopped strategy that still gets requests hands them to LiteLLM's own pick."""
+        self.stopped = True
         if self._refresher is not None:
             self._refresher.cancel()
 
@@ -283,6 +296,8 @@ class _DeploymentIndex:
         self._pods_by_ids: dict[tuple[str, ...], _Pods] = {}
         """Deployment ids of a healthy list -> its pods (`pods_of`)."""
         self._list_id: tuple[int, int] = (0, 0)
+        self._marks: dict[str, bool] = {}
+        """pod -> the operator's `model_info.lora_affinity_pod`, for the current model list."""
 
     def pod(self, deployment: Mapping[str, Any]) -> str | None:
         pod = deployment_pod(deployment)
@@ -308,6 +323,10 @@ class _DeploymentIndex:
                 self._pods_by_ids[ids] = found
         return found
 
+    def marked(self, pods: list[str]) -> bool:
+        """Whether the operator marked one of `pods` a pod (`model_info.lora_affinity_pod: true`)."""
+        return any(self._marks.get(pod) for pod in pods)
+
     def by_pod(self, healthy: list[dict]) -> dict[str, dict]:
         """pod -> the first of `healthy` on it, in order."""
         return {pod: healthy[i] for pod, i in self.pods_of(healthy).positions.items()}
@@ -326,12 +345,14 @@ class _DeploymentIndex:
             self._pods_by_model.clear()
             self.pods_by_id.clear()
             self._pods_by_ids.clear()
+            self._marks = pod_marks(model_list)
             self._list_id = list_id
         pods = self._pods_by_model.get(model)
         if pods is None:
             exact = [d for d in model_list if d.get("model_name") == model]
             matching = exact or [d for d in model_list if is_wildcard(d) and fnmatch.fnmatchcase(model, d["model_name"])]
-            pods = self._pods_by_model[model] = [p for p in map(deployment_pod, matching) if p]
+            pods = self._pods_by_model[model] = [p for p in map(deployment_pod, matching)
+                                                 if p and self._marks.get(p, True)]
             if len(self._pods_by_model) > _NAMES_CACHED:
                 self._pods_by_model.popitem(last=False)
         return pods
