@@ -46,7 +46,7 @@ class LeastTtftOracle(Policy):
         self.engines, self.step_ends, self.max_tokens = engines, step_ends, max_tokens
         self.in_flight = [0] * replicas
 
-    def route(self, adapter, connection, now, call_id="", messages=None, group=0, sheddable=False) -> int:
+    def route(self, adapter, connection, now, call_id="", messages=None, group=0, sheddable=False, tenant=None) -> int:
         text = prompt_text({"messages": messages}) if messages else SEED_PROMPT
         ttfts = [self._ttft(r, adapter, text, now) for r in range(self.replicas)]
         best = min(ttfts)

@@ -2,8 +2,11 @@
 
     python tests/hosted_api.py PORT KEY
 
-Every /v1 route wants `Authorization: Bearer KEY` (401 otherwise, as OpenAI answers). A model whose
-name starts with "slow" answers after 3 s. GET /_control/requests lists (path, model, authorized).
+Every /v1 route wants `Authorization: Bearer KEY` (401 otherwise, as OpenAI answers), under any one
+path segment too (`/eu/v1/...`: several deployments of one provider). A model whose name starts with
+"slow" answers after 3 s; one that starts with "fail" gets a 500. GET /_control/requests lists
+(path, model, authorized); GET /_control/other lists (path, Authorization header) of every other request,
+/metrics included (404, as a hosted provider answers).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ SLOW_S = 3.0
 
 def make_app(key: str) -> Starlette:
     seen: list[tuple[str, str, bool]] = []
+    other: list[tuple[str, str | None]] = []
 
     async def answer(request: Request):
         body = await request.json()
@@ -35,6 +39,8 @@ def make_app(key: str) -> Starlette:
                                            "code": "invalid_api_key"}}, status_code=401)
         if str(body.get("model", "")).startswith("slow"):
             await asyncio.sleep(SLOW_S)
+        if str(body.get("model", "")).startswith("fail"):
+            return JSONResponse({"error": {"message": "upstream failure", "type": "server_error"}}, status_code=500)
         words = ["Hello", " from", " the", " hosted", " API"]
         created, model = int(time.time()), body.get("model", "")
         if body.get("stream"):
@@ -57,9 +63,19 @@ def make_app(key: str) -> Starlette:
     async def requests(_: Request):
         return JSONResponse(seen)
 
+    async def others(_: Request):
+        return JSONResponse(other)
+
+    async def anything_else(request: Request):
+        other.append((request.url.path, request.headers.get("authorization")))
+        return JSONResponse({"error": "not found"}, status_code=404)
+
     return Starlette(routes=[Route("/v1/completions", answer, methods=["POST"]),
                              Route("/v1/chat/completions", answer, methods=["POST"]),
-                             Route("/_control/requests", requests)])
+                             Route("/{tenant}/v1/completions", answer, methods=["POST"]),
+                             Route("/{tenant}/v1/chat/completions", answer, methods=["POST"]),
+                             Route("/_control/requests", requests), Route("/_control/other", others),
+                             Route("/{path:path}", anything_else, methods=["GET", "POST"])])
 
 
 if __name__ == "__main__":

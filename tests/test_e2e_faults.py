@@ -104,10 +104,10 @@ def test_redis_restart_under_load_fails_no_request(stack):
     assert len(statuses) == 1000 and set(statuses) == {200}
     log = stack["proxy_proc"].log()
     assert log.count("cannot read pod metrics from Redis") == 2  # one line when it went, one when it came back
-    during = [t for t in log_times(log, "picking like simple-shuffle: no fresh metrics")
+    during = [t for t in log_times(log, "LiteLLM's own pick decides: no fresh metrics")
               if stack["stopped_at"] <= t <= stack["restarted_at"]]
     assert len(during) == 1  # one line for the whole outage, not one per request
-    recovered = [t for t in log_times(log, "picking like simple-shuffle: recovered") if t > stack["stopped_at"]]
+    recovered = [t for t in log_times(log, "LiteLLM's own pick decides: recovered") if t > stack["stopped_at"]]
     # Measured from when this proxy could read Redis again (its second "cannot read" line, the recovery; it
     # may come before the test's own clock reading after the restart): routing by metrics is back within two
     # refresh intervals of that, the scraper's next write included, however slowly a loaded machine reconnects.

@@ -1,10 +1,11 @@
-"""The plugin in somebody else's proxy: what it does not route behaves as in LiteLLM alone (issue 18).
+"""The plugin in somebody else's proxy: what it does not route behaves as in LiteLLM alone.
 
 Real processes: redis-server, simulated vLLM pods that want an API key (vLLM's `--api-key`, the key
-only in the proxy's environment as HOSTED_VLLM_API_KEY), a hosted OpenAI-compatible API that is not a
-pod (`openai/` deployments with no api_base, reached through OPENAI_BASE_URL with OPENAI_API_KEY, one of
-them with a 1 s timeout), the scraper, and two `litellm --config` proxies on the same config and
-environment, one with the plugin and one without. LiteLLM's default retries and timeouts: nothing set.
+only in the proxy's environment as HOSTED_VLLM_API_KEY) and a metrics token, a hosted OpenAI-compatible
+API that is not a pod (`openai/` deployments, with an api_base, which the scraper reads and finds no
+model server behind, or reached through OPENAI_BASE_URL; one with a 1 s timeout, a weighted group of two,
+a group that fails), the scraper, and two `litellm --config` proxies on the same config and environment,
+one with the plugin and one without. LiteLLM's default retries and timeouts: nothing set.
 """
 
 from __future__ import annotations
@@ -19,19 +20,27 @@ import pytest
 import yaml
 from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, litellm_proxy, lora_affinity, redis_server, wait_port
 
-POD_KEY, HOSTED_KEY = "pod-s3cret", "sk-hosted-s3cret"
+POD_KEY, HOSTED_KEY, METRICS_TOKEN = "pod-s3cret", "sk-hosted-s3cret", "metr1cs-t0ken"
 ADAPTERS = ["sql-lora", "tweet-summary"]
+WEIGHTS = {"eu": 3, "us": 1}
 
 
-def config(pods: list[int], redis_port: int, plugin: bool) -> dict:
+def config(pods: list[int], redis_port: int, plugin: bool, hosted_port: int) -> dict:
+    hosted = f"http://127.0.0.1:{hosted_port}"
     model_list = [{"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": f"http://127.0.0.1:{p}/v1"}}
                   for p in pods]
-    model_list += [{"model_name": "gpt-4o", "litellm_params": {"model": "openai/gpt-4o"}},
+    model_list += [{"model_name": "gpt-4o", "litellm_params": {"model": "openai/gpt-4o", "api_base": hosted + "/v1"}},
                    {"model_name": "slow-4o", "litellm_params": {"model": "openai/slow-4o", "timeout": 1}}]
+    for group in ("mix-4o", "fail-4o"):  # two deployments of one hosted provider, weighted
+        model_list += [{"model_name": group, "litellm_params": {"model": f"openai/{group}", "api_base": f"{hosted}/{region}/v1",
+                                                                "weight": weight}} for region, weight in WEIGHTS.items()]
     cfg: dict = {"model_list": model_list, "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY"}}
     if plugin:
-        cfg["litellm_settings"] = {"callbacks": ["lora_affinity_plugin.strategy.proxy_plugin"]}
-        cfg["lora_affinity"] = {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "scrape_interval_ms": 100}
+        cfg["litellm_settings"] = {"callbacks": ["prometheus", "lora_affinity_plugin.strategy.proxy_plugin"],
+                                   "require_auth_for_metrics_endpoint": False}
+        cfg["lora_affinity"] = {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "scrape_interval_ms": 100,
+                                "metrics_bearer_token": METRICS_TOKEN,
+                                "metrics_token_pods": [f"127.0.0.1:{p}" for p in pods]}
     return cfg
 
 
@@ -48,7 +57,7 @@ def stack(tmp_path_factory):
     try:
         procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
                                   "--base-port", str(base), "--speed", "1", "--warm-adapters", ",".join(ADAPTERS),
-                                  "--api-key", POD_KEY], tmp))
+                                  "--api-key", POD_KEY, "--metrics-token", METRICS_TOKEN], tmp))
         procs.append(Proc("hosted_api", [sys.executable, str(Path(__file__).with_name("hosted_api.py")),
                                          str(hosted_port), HOSTED_KEY], tmp))
         for port in (base, base + 1, hosted_port):
@@ -56,7 +65,7 @@ def stack(tmp_path_factory):
         paths = {}
         for name, plugin in (("with", True), ("without", False)):
             paths[name] = tmp / f"{name}.yaml"
-            paths[name].write_text(yaml.safe_dump(config([base, base + 1], redis_port, plugin)))
+            paths[name].write_text(yaml.safe_dump(config([base, base + 1], redis_port, plugin, hosted_port)))
         procs.append(lora_affinity(["scrape", "--config", str(paths["with"])], tmp, "scraper", env=env))
         proxies = {"with": litellm_proxy(paths["with"], with_port, tmp, "proxy-with", env=env),
                    "without": litellm_proxy(paths["without"], without_port, tmp, "proxy-without", env=env)}
@@ -94,12 +103,14 @@ def test_requests_the_plugin_does_not_route_behave_as_without_it(stack):
     """Each non-pod request twice, so a first failure's cooldown would show as a 429 on the second."""
     def in_order(url: str) -> list:
         return ([_call(url, kind, "gpt-4o") for kind in KINDS for _ in range(2)]
-                + [_call(url, kind, "slow-4o") for kind in ("chat", "text")])
+                + [_call(url, kind, "slow-4o") for kind in ("chat", "text")]
+                + [_call(url, "chat", "fail-4o") for _ in range(4)])  # errors, retries, cooldowns: LiteLLM's
 
     with ThreadPoolExecutor(2) as pool:  # the two proxies side by side, each its requests in order
         results = dict(zip(stack["urls"], pool.map(in_order, stack["urls"].values())))
     assert results["with"] == results["without"], results
-    assert [status for status, _ in results["with"]] == [200] * 8 + [408, 408]
+    assert [status for status, _ in results["with"]][:10] == [200] * 8 + [408, 408]
+    assert all(status >= 400 for status, _ in results["with"][10:])
     seen = httpx.get(stack["hosted"] + "/_control/requests").json()
     assert seen and all(authorized for _, _, authorized in seen)  # the environment's key, every time
 
@@ -127,3 +138,34 @@ def test_a_request_timeout_holds_on_a_routed_text_completion(stack):
         status, _ = _call(url, "text", "sql-lora", max_tokens=GENERATION_TOKENS, ignore_eos=True, timeout=0.5)
         elapsed = time.monotonic() - started
         assert status == 408 and elapsed < GENERATION_S / 2, (name, status, elapsed)
+
+
+def _shares(url: str, hosted: str, count: int) -> dict[str, int]:
+    """Where `count` chats to the weighted group went, as the hosted API saw them."""
+    before = len(httpx.get(hosted + "/_control/requests").json())
+    with ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda _: _call(url, "chat", "mix-4o")[0], range(count)))
+    assert statuses == [200] * count
+    seen = httpx.get(hosted + "/_control/requests").json()[before:]
+    return {region: sum(path.startswith(f"/{region}/") for path, _, _ in seen) for region in WEIGHTS}
+
+
+def test_a_hosted_group_with_an_api_base_keeps_litellms_weights_and_never_sees_the_metrics_token(stack):
+    """The scraper reads the hosted API's /metrics (it has an api_base) and finds no model server: the group
+    stays LiteLLM's (its weights, 3 to 1), the token goes to the pods only, and no fallback is counted."""
+    count = 160
+    shares = {name: _shares(url, stack["hosted"], count) for name, url in stack["urls"].items()}
+    expected = WEIGHTS["eu"] / sum(WEIGHTS.values())
+    for name, share in shares.items():
+        assert sum(share.values()) == count
+        assert abs(share["eu"] / count - expected) < 0.12, shares  # 3.5 standard deviations of a binomial
+    assert abs(shares["with"]["eu"] - shares["without"]["eu"]) / count < 0.14, shares
+    other = httpx.get(stack["hosted"] + "/_control/other").json()
+    scraped = [auth for path, auth in other if path.endswith("/metrics")]
+    assert scraped, other  # the scraper did read the hosted API's /metrics ...
+    assert not any(METRICS_TOKEN in (auth or "") for _, auth in other)  # ... never with the pods' token
+    page = httpx.get(stack["urls"]["with"] + "/metrics/").text
+    fallbacks = [line for line in page.splitlines() if line.startswith("lora_affinity_fallbacks_total{")]
+    assert fallbacks and all(float(line.rsplit(" ", 1)[1]) == 0 for line in fallbacks), fallbacks
+    decisions = [line for line in page.splitlines() if line.startswith("lora_affinity_decisions_total{")]
+    assert not any("mix-4o" in line or "gpt-4o" in line for line in decisions), decisions

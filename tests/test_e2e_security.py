@@ -90,7 +90,7 @@ def test_the_proxy_routes_by_metrics_over_tls(stack):
                        json={"model": "sql-lora", "prompt": "x", "max_tokens": 5}, timeout=60)
         assert r.status_code == 200
     log = stack["procs"][-1].log()
-    assert "sql-lora ->" in log and "picking like simple-shuffle" not in log
+    assert "sql-lora ->" in log and "routing by metrics unavailable" not in log
 
 
 def test_a_wrong_metrics_token_marks_the_pods(stack):

@@ -246,7 +246,7 @@ def test_prefix_isolation_keys_the_index_by_team_or_key():
         meta = {"user_api_key_hash": key, "user_api_key_team_id": team}
         return prompt_prefix(messages, "m", {"metadata": meta}, build_settings({"prefix_isolation": isolation}))
 
-    assert chain("off", "k1") == chain("off", "k2")
+    assert chain("off", "k1") == chain("shared", "k2") == chain(False, "k3")  # `off`: YAML's false too
     assert chain("key", "k1") != chain("key", "k2") and chain("key", "k1") == chain("key", "k1")
     assert chain("team", "k1", "t") == chain("team", "k2", "t") != chain("team", "k3", "u")
     assert chain("team", "k1") != chain("team", "k2")  # a key in no team is a team of its own

@@ -17,7 +17,7 @@ SHEDS = Counter("lora_affinity_shed_total", "Requests refused with 429 (every po
                 ["criticality", "model_group"])
 NO_CAPACITY = Counter("lora_affinity_no_capacity_total", "Requests refused with 503 (no candidate pod), by criticality",
                       ["criticality", "model_group"])
-FALLBACKS = Counter("lora_affinity_fallbacks_total", "Decisions made like simple-shuffle, by cause", ["cause"])
+FALLBACKS = Counter("lora_affinity_fallbacks_total", "Requests the plugin could not decide for, left to LiteLLM's own pick, by cause", ["cause"])
 for _cause in ("no_metrics", "error"):  # exported at 0 from the start: a rate of nothing is 0, not absent
     FALLBACKS.labels(_cause)
 DECISION_SECONDS = Histogram("lora_affinity_decision_seconds", "Time to choose a pod (plugin's own part)",

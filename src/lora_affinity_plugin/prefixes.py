@@ -190,7 +190,7 @@ def prompt_prefix(messages: Any, scope: str, request_kwargs: Any, settings: Any)
     if settings.rule_set == "sglang-cache-aware":
         scope = ""  # its radix tree is per worker, not per adapter
     salt = request_salt(request_kwargs)
-    if settings.prefix_isolation != "off":
+    if settings.prefix_isolation != "shared":
         salt = f"{salt or ''}\x00{request_tenant(request_kwargs, settings.prefix_isolation)}"
     head = _first_message(messages, limit)
     rendered = len(head[0]) + len(head[1]) + 2 if head is not None else 0

@@ -159,10 +159,15 @@ class Settings(BaseModel):
     """Index entries unused this long are dropped."""
     share_prefixes: bool = True
     """Each proxy's new index entries reach its peers in the refresh it already makes."""
-    prefix_isolation: Literal["off", "team", "key"] = "off"
-    """Whose cached prompts a request may follow: `off`, anyone's (the best reuse; a caller can tell by its
-    latency where another caller's prompt is cached); `team`, its LiteLLM team's only; `key`, its API key's only.
-    A request's `cache_salt` always separates it too."""
+    prefix_isolation: Literal["shared", "team", "key"] = "shared"
+    """Whose cached prompts a request may follow: `shared` (or `off`), anyone's (the best reuse; a caller can
+    tell by its latency where another caller's prompt is cached); `team`, its LiteLLM team's only (a key in no
+    team: its own); `key`, its API key's only. A request's `cache_salt` always separates it too."""
+
+    @field_validator("prefix_isolation", mode="before")
+    @classmethod
+    def _isolation_off(cls, value: Any) -> Any:
+        return "shared" if value is False or value == "off" else value  # YAML reads a bare `off` as false
 
     @field_validator("redis_url")
     @classmethod

@@ -30,6 +30,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="live mode: the simulated vLLM's LoRA metrics, legacy and/or current (comma-separated)")
     parser.add_argument("--repeat", type=int, default=1, help="pooling: runs per strategy (integrity counts)")
     parser.add_argument("--requests", type=int, help="override the scenario's request count (quick runs)")
+    parser.add_argument("--tenants", type=int, default=None,
+                        help="fast mode: requests come from N callers (API keys, two to a team) in turn, for prefix_isolation")
     parser.add_argument("--json", dest="json_path", help="write the results as a JSON list to this path")
     parser.add_argument("--chart", default="bench-out/bench.png", help="where to write the PNG chart")
     parser.add_argument("--deployments", default="8,64,512", help="decisions scenario: deployment counts")

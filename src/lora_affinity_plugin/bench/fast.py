@@ -172,8 +172,9 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             else:
                 messages = req.messages if prefix_load else _SEED_MESSAGES
             sheddable = getattr(req, "sheddable", False)
+            tenant = str(req.index % scenario.tenants) if scenario.tenants else None
             replica = gateway.route(req.adapter, connection, now, str(req.index), messages=messages,
-                                    group=getattr(req, "group", 0), sheddable=sheddable)
+                                    group=getattr(req, "group", 0), sheddable=sheddable, tenant=tenant)
             watch.routed(now, req, replica, gateway)
             if replica == SHED:  # HTTP 429 at once
                 free_connections.append(connection)

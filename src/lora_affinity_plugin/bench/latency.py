@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .policies import PREFIX_STRATEGIES, settings_note
 from .results import Result, refusal, write_json
-from .scenarios import Scenario, at_rate, get_scenario
+from .scenarios import Scenario, at_rate, get_scenario, with_overrides
 
 TTFT_TARGET_S = 1.0
 REFERENCES = ("llmd-prefix", "sglang-cache-aware")
@@ -32,7 +32,9 @@ def rates_of(args: argparse.Namespace, scenario: Scenario) -> list[float]:
 
 
 def run_latency(args: argparse.Namespace) -> int:
-    scenario = get_scenario(args.scenario)
+    scenario = with_overrides(get_scenario(args.scenario), tenants=getattr(args, "tenants", None))
+    if scenario.tenants and args.mode != "fast":
+        raise SystemExit("--tenants applies to fast mode")
     if args.minutes_of_load:
         scenario = _with_duration(scenario, args.minutes_of_load * 60)
     strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else \
@@ -40,7 +42,7 @@ def run_latency(args: argparse.Namespace) -> int:
     rates = rates_of(args, scenario)
     print(f"scenario {scenario.name}: {scenario.description}; {scenario.replicas} replicas, {scenario.duration_s:.0f} s "
           f"of arrivals per rate (simulated); mode {args.mode}; gateways {args.gateways}; rates {rates} req/s"
-          + settings_note(args))
+          + (f"; {scenario.tenants} callers in turn" if scenario.tenants else "") + settings_note(args))
     results: list[Result] = []
     for rate in rates:
         at = at_rate(scenario, rate)

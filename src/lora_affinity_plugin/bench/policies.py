@@ -35,7 +35,7 @@ class Policy:
         self.rng = rng
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         raise NotImplementedError
 
     def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
@@ -76,7 +76,7 @@ class PerConnectionRandom(Policy):
         self._pinned: dict[int, int] = {}
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         if connection not in self._pinned:
             self._pinned[connection] = self.rng.randrange(self.replicas)
         return self._pinned[connection]
@@ -86,7 +86,7 @@ class SimpleShuffle(Policy):
     name = "simple-shuffle"
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         return self.rng.randrange(self.replicas)
 
 
@@ -100,7 +100,7 @@ class LeastBusy(Policy):
         self.in_flight = [0] * replicas
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         low = min(self.in_flight)
         choice = self.rng.choice([i for i, n in enumerate(self.in_flight) if n == low])
         self.in_flight[choice] += 1
@@ -120,7 +120,7 @@ class LatencyBased(Policy):
         self.samples = [deque(maxlen=10) for _ in range(replicas)]
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         scores = [sum(s) / len(s) if s else 0.0 for s in self.samples]
         low = min(scores)
         return self.rng.choice([i for i, v in enumerate(scores) if v == low])
@@ -139,7 +139,7 @@ class UsageBasedV2(Policy):
         self.tpm: dict[tuple[int, int], int] = defaultdict(int)
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         minute = int(now // 60)
         usage = [self.tpm[(minute, i)] for i in range(self.replicas)]
         low = min(usage)
@@ -164,7 +164,7 @@ class SeedPicker(Policy):
         self.gpu = gpu
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         holders = [i for i, slots in enumerate(self.gpu) if adapter in slots]
         return self.rng.choice(holders) if holders else self.rng.randrange(self.replicas)
 
@@ -179,10 +179,18 @@ class StaticPartition(Policy):
         self.home: dict[str, int] = {}
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         if adapter not in self.home:
             self.home[adapter] = len(self.home) % self.replicas
         return self.home[adapter]
+
+
+def _caller(tenant: str | None) -> dict | None:
+    """What LiteLLM's proxy tells routing about the caller (`prefix_isolation`): its key's hash and its team,
+    two keys to a team."""
+    if tenant is None:
+        return None
+    return {"metadata": {"user_api_key_hash": f"key-{tenant}", "user_api_key_team_id": f"team-{int(tenant) // 2}"}}
 
 
 class Rules(Policy):
@@ -201,13 +209,13 @@ class Rules(Policy):
         """The last decision, the candidates it chose among and the request (what a measuring tool reads)."""
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         candidates = self.fleet.candidates(self.keys, now)
         if not candidates:
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
-        request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, None, self.keys, self.settings,
-                                           sheddable)
+        request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, _caller(tenant), self.keys,
+                                           self.settings, sheddable)
         self.last = None
         try:
             decision = self.decide(candidates, request)
@@ -267,7 +275,7 @@ class PrefixPartition(Policy):
         self.home: dict[int, int] = {}
 
     def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False) -> int:
+              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
         if group not in self.home:
             self.home[group] = len(self.home) % self.replicas
         return self.home[group]

@@ -58,6 +58,8 @@ class Scenario:
     slowdown: tuple[float, int, float] | None = None
     """(at simulated second, replica, new speed): a replica that throttles mid-run."""
     chat_share: float = 0.0
+    tenants: int = 0
+    """Callers (API keys, two to a team) the requests come from in turn; 0: none named (`prefix_isolation`)."""
     """mixed: the share of arrivals that start a multi-turn chat on the base model."""
 
     @property

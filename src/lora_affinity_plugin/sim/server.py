@@ -249,6 +249,9 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
             replica.release(seq)  # a disconnect mid-stream aborts the request
             replica.connections.request_ended()
 
+    garbled = {"family": ""}
+    """A metric family whose values /metrics serves unreadable (`control`: a partly broken exporter)."""
+
     async def models(request: Request):
         if (denied := refused(request)) is not None:
             return denied
@@ -259,15 +262,20 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
         return PlainTextResponse("")
 
     async def control(request: Request):
-        """Change this replica at run time: `{"speed": 0.5}` (a GPU that throttles or is shared)."""
+        """Change this replica at run time: `{"speed": 0.5}` (a GPU that throttles or is shared), or
+        `{"garble": "vllm:kv_cache_usage_perc"}` (that family's values unreadable on /metrics; "" ends it)."""
         if (denied := refused(request)) is not None:
             return denied
         try:
             body = await request.json()
+            if "garble" in body:
+                garbled["family"] = str(body["garble"])
+                if "speed" not in body:
+                    return JSONResponse({"garble": garbled["family"]})
             speed = float(body["speed"])
             if not 0.01 <= speed <= 100:
                 raise ValueError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return JSONResponse({"error": "speed: a number from 0.01 to 100 is required"}, status_code=400)
         replica.engine.config.speed = speed
         return JSONResponse({"speed": speed})
@@ -275,7 +283,12 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
     async def metrics(request: Request):
         if metrics_token and request.headers.get("authorization") != f"Bearer {metrics_token}":
             return PlainTextResponse("unauthorized", status_code=401)
-        return PlainTextResponse(render_metrics(replica, base_model), media_type="text/plain; version=0.0.4")
+        page = render_metrics(replica, base_model)
+        if garbled["family"]:
+            family = garbled["family"]
+            page = "\n".join(line.rsplit(" ", 1)[0] + " garbled" if line.startswith(family + "{") else line
+                             for line in page.split("\n"))
+        return PlainTextResponse(page, media_type="text/plain; version=0.0.4")
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),

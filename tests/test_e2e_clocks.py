@@ -1,0 +1,121 @@
+"""The scraper's clock 3 s ahead of, then 3 s behind, the proxy's and Redis's: routing holds.
+
+Real processes: redis-server, simulated vLLM replicas, a `litellm --config` proxy, and the scraper run
+under Debian's `faketime` (its wall clock shifted; its monotonic clock, which asyncio sleeps by, left
+alone). Records are stamped on Redis's clock, so the proxy sees them fresh whichever way the scraper's
+clock is off, and counts its requests in flight against the right scrape.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis as redis_lib
+import yaml
+from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, litellm_proxy, proxy_config, redis_server, wait_port
+
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import PodRecord, pod_key
+
+ADAPTERS = ["sql-lora", "tweet-summary", "chat-lora", "code-lora"]
+PHASE_S = 6.0
+CLIENTS = 6
+ROUNDS = 2
+"""Each skew this many times, in turn with the others: a busy machine's pace then weighs on all alike."""
+
+if shutil.which("faketime") is None:  # .ci/run installs it; a machine without it cannot run this module
+    pytest.fail("faketime is not installed (Debian package faketime; .ci/run installs it)", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clocks")
+    base = free_port_range(3)
+    redis_port, proxy_port = (next(p for p in iter(free_port, None) if not base <= p < base + 3) for _ in range(2))
+    procs: list[Proc] = []
+    store = redis_server(redis_port, tmp)
+    try:
+        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "3",
+                                  "--base-port", str(base), "--speed", "10", "--max-loras", "2",
+                                  "--mean-output-tokens", "20"], tmp))
+        pods = [base, base + 1, base + 2]
+        for port in pods:
+            wait_port(port)
+        path = tmp / "config.yaml"
+        path.write_text(yaml.safe_dump(proxy_config(pods, redis_port, scrape_interval_ms=100)))
+        proxy = litellm_proxy(path, proxy_port, tmp)
+        procs.append(proxy)
+        yield {"config": path, "tmp": tmp, "proxy": proxy, "url": f"http://127.0.0.1:{proxy_port}",
+               "redis": redis_lib.Redis(port=redis_port), "pods": [f"http://127.0.0.1:{p}" for p in pods]}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        store.stop()
+
+
+def _scraper(stack, skew: str) -> Proc:
+    args = [sys.executable, "-m", "lora_affinity_plugin.cli", "scrape", "--config", str(stack["config"])]
+    if skew:
+        args = ["faketime", "-f", skew, *args]
+    return Proc(f"scraper{skew}", args, stack["tmp"], env=child_env(FAKETIME_DONT_FAKE_MONOTONIC="1"))
+
+
+def _record_offsets(stack) -> list[float]:
+    """How far each pod's record's scrape time is from Redis's clock now (seconds)."""
+    client = stack["redis"]
+    seconds, micros = client.time()
+    now = seconds + micros / 1e6
+    raws = client.mget([pod_key(build_settings({}), pod) for pod in stack["pods"]])
+    return [now - PodRecord.from_json(raw).scraped_at for raw in raws if raw is not None]
+
+
+def _load(url: str) -> int:
+    """Completions in PHASE_S seconds from CLIENTS clients, each sending its next request when one ends."""
+    deadline = time.monotonic() + PHASE_S
+
+    def client(i: int) -> int:
+        done = 0
+        with httpx.Client(timeout=30) as http:
+            while time.monotonic() < deadline:
+                r = http.post(url + "/v1/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                              json={"model": ADAPTERS[(i + done) % len(ADAPTERS)], "prompt": "hi", "max_tokens": 16})
+                assert r.status_code == 200, r.text
+                done += 1
+        return done
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        return sum(pool.map(client, range(CLIENTS)))
+
+
+def _phase(stack, skew: str) -> dict:
+    scraper = _scraper(stack, skew)
+    try:
+        time.sleep(2.5)  # the previous holder's lease (1 s) runs out; this one takes it and scrapes
+        offsets = _record_offsets(stack)
+        completed = _load(stack["url"])
+        offsets_after = _record_offsets(stack)
+    finally:
+        scraper.stop()
+    return {"completed": completed, "offsets": offsets + offsets_after}
+
+
+def test_routing_holds_with_the_scrapers_clock_3_s_ahead_and_3_s_behind(stack):
+    completed = {"none": 0, "+3s": 0, "-3s": 0}
+    for _ in range(ROUNDS):
+        for name in completed:
+            phase = _phase(stack, "" if name == "none" else name)
+            assert len(phase["offsets"]) == 6 and all(abs(o) < 1.0 for o in phase["offsets"]), (name, phase)
+            completed[name] += phase["completed"]
+    ratios = {name: round(n / completed["none"], 3) for name, n in completed.items()}
+    print(json.dumps({"completed": completed, "ratio": ratios}))
+    # The goal is 0.97x (docs/deploying.md gives the measured ratios); on a CI machine whose pace wanders by
+    # a few percent between phases, this guards against a real loss, not against that noise.
+    assert all(ratio >= 0.92 for ratio in ratios.values()), completed
+    log = stack["proxy"].log()
+    assert "routing by metrics unavailable" not in log

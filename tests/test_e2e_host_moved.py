@@ -1,0 +1,83 @@
+"""A LiteLLM whose router no longer takes a custom strategy where the plugin puts it: one error line, LiteLLM's
+own routing serves every request, and the plugin opens no Redis connection again and again.
+
+Real processes: redis-server, simulated vLLM replicas, the scraper and a `litellm --config` proxy whose
+first callback (`host_moved.py`, written beside its config) turns the router's strategy registration
+into a no-op, as a release that moved that internal would.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import httpx
+import pytest
+import redis as redis_lib
+import yaml
+from procs import MASTER_KEY, Proc, free_port, free_port_range, litellm_proxy, lora_affinity, proxy_config, redis_server, wait_port
+
+OBSERVED_S = 60.0
+
+HOST_MOVED = '''
+import litellm
+from litellm.integrations.custom_logger import CustomLogger
+
+
+def _ignored(self, strategy):
+    """The strategy goes nowhere the plugin can see it."""
+
+
+for name in ("register_plugin", "set_custom_routing_strategy"):
+    if hasattr(litellm.Router, name):
+        setattr(litellm.Router, name, _ignored)
+
+callback = CustomLogger()
+'''
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("host-moved")
+    base = free_port_range(2)
+    redis_port, proxy_port = (next(p for p in iter(free_port, None) if p not in (base, base + 1)) for _ in range(2))
+    procs: list[Proc] = []
+    store = redis_server(redis_port, tmp)
+    try:
+        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
+                                  "--base-port", str(base), "--speed", "10", "--mean-output-tokens", "10"], tmp))
+        for port in (base, base + 1):
+            wait_port(port)
+        config = proxy_config([base, base + 1], redis_port)
+        config["litellm_settings"]["callbacks"].insert(0, "host_moved.callback")
+        path = tmp / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        (tmp / "host_moved.py").write_text(HOST_MOVED)
+        procs.append(lora_affinity(["scrape", "--config", str(path)], tmp, "scraper"))
+        proxy = litellm_proxy(path, proxy_port, tmp)
+        procs.append(proxy)
+        yield {"url": f"http://127.0.0.1:{proxy_port}", "proxy": proxy, "redis": redis_lib.Redis(port=redis_port)}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        store.stop()
+
+
+def test_one_error_litellms_routing_and_no_growth_in_redis_connections(stack):
+    clients = []
+    statuses = []
+    started = time.monotonic()
+    with httpx.Client(timeout=30) as http:
+        while time.monotonic() - started < OBSERVED_S:
+            for model in ("sql-lora", "tweet-summary"):
+                statuses.append(http.post(stack["url"] + "/v1/completions",
+                                          headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                                          json={"model": model, "prompt": "hi", "max_tokens": 4}).status_code)
+            clients.append(stack["redis"].info("clients")["connected_clients"])
+            time.sleep(1.0)
+    log = stack["proxy"].log()
+    assert set(statuses) == {200}, statuses
+    assert log.count("cannot route on LiteLLM") == 1, log[-3000:]
+    assert "lora-affinity routing installed" not in log and " -> " not in log  # no decision of the plugin's
+    settled = clients[5:]  # the scraper's and this test's connections, once the proxy has started
+    assert max(settled) <= min(settled) + 1, clients
