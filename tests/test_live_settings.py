@@ -101,7 +101,6 @@ HAND_WRITTEN = [
     good(9, kv_cache_threshold=3),
     good(9, queueing_threshold_lora="many"),
     good(9, rule_set="fastest"),
-    good(9, extra_knob=1),
     good(9, redis_url="redis://evil:6379"),
     good(9, stale_after_ms=99999),
     good(9, scrape_interval_ms=0),
@@ -121,6 +120,19 @@ def test_follower_refuses_a_bad_hand_written_value_and_keeps_the_last_good(raw):
     assert SETTINGS_REJECTED._value.get() == rejected + 1
     follower._follow_settings(good(10, kv_cache_threshold=0.5))  # a later good version still applies
     assert follower.applied_version == 10 and applied[-1].kv_cache_threshold == 0.5
+
+
+def test_a_newer_versions_settings_are_left_out_by_followers_and_carried_by_writers(client):
+    """A rolling upgrade: a newer proxy's CLI wrote a name this version does not know."""
+    applied = []
+    follower = Follower(BASE, FleetView(BASE), lambda: [], applied.append)
+    follower._follow_settings(good(4, kv_cache_threshold=0.4, future_knob={"x": 1}))
+    assert follower.applied_version == 4 and applied[-1].kv_cache_threshold == 0.4
+    client.set(ls.settings_key(BASE.key_prefix), good(4, kv_cache_threshold=0.4, future_knob={"x": 1}))
+    _, new = ls.write(client, BASE, {"kv_cache_threshold": 0.3}, "old-cli")
+    assert new.values["future_knob"] == {"x": 1} and new.values["kv_cache_threshold"] == 0.3
+    with pytest.raises(SettingsError, match="future_knob: unknown setting"):
+        ls.write(client, BASE, {"future_knob": 2}, "old-cli")  # but never writes a name it does not know
 
 
 def test_a_settings_file_that_cannot_be_applied_is_named_with_why(tmp_path):

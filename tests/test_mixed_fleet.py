@@ -210,6 +210,30 @@ async def test_a_hosted_group_with_an_api_base_stays_litellms_with_its_weights()
     assert strategy.decisions == 1  # the pods' group is routed
 
 
+async def test_a_group_that_mixes_pods_and_a_hosted_deployment_goes_to_its_pods_and_overflows_as_litellm():
+    """The pods are routed by the rules while any has fresh metrics; the hosted deployment serves only when none
+    has (then LiteLLM's own pick chooses among them all, as without the plugin)."""
+    model_list = [{"model_name": "chat", "litellm_params": {"model": "hosted_vllm/m", "api_base": p + "/v1"}} for p in PODS]
+    model_list.append({"model_name": "chat", "litellm_params": {"model": "openai/gpt", "api_base": HOSTED[0] + "/v1",
+                                                                "api_key": "k"}})
+    router = litellm.Router(model_list=model_list, num_retries=0)
+    settings = build_settings({"stale_after_ms": 100, "metrics_ttl_ms": 200})
+    strategy = LoraAffinityStrategy(router, settings, rng=random.Random(1), fleet=FleetView(settings))
+    router.set_custom_routing_strategy(strategy)
+    now = time.time()
+    strategy.fleet.update({**{p: PodRecord(p, now, PodMetrics(num_requests_running=1)) for p in PODS},
+                           HOSTED[0]: PodRecord(HOSTED[0], now, None, "HTTP 404 from /metrics")})
+
+    async def bases(n):
+        return {(await router.async_get_available_deployment(model="chat", request_kwargs={}))["litellm_params"]["api_base"]
+                for _ in range(n)}
+
+    assert await bases(40) == {p + "/v1" for p in PODS}
+    time.sleep(0.25)  # every pod's metrics past metrics_ttl_ms
+    assert HOSTED[0] + "/v1" in await bases(60)
+    assert strategy.fallbacks == 60  # the pods' group counts its fallbacks: its pods are down, which is news
+
+
 def test_sprayed_adapter_names_stay_out_of_the_residency_memory():
     fleet = FleetView(build_settings({"residency_memory": 4}))
     fleet.serve(["listed"])

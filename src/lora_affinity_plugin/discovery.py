@@ -18,6 +18,8 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
+from .episodes import Episode
+
 logger = logging.getLogger("lora_affinity")
 
 LISTING_PATHS = ("/v1/models", "/models")
@@ -96,14 +98,19 @@ def listing_with_served(app: ASGIApp, served: Callable[[], Iterable[str]], calla
     return wrapped
 
 
+_LISTING_FAILING = Episode(logger, "lora-affinity could not add the fleet's models to the listing")
+
+
 async def _send(send, start: dict | None, body: bytes, scope: dict, served, callable_by: Callable_) -> None:
     merged = None
     if start is not None and start.get("status") == 200:
         try:
             names = frozenset(served())
             merged = merge_listing(body, await callable_by(scope, names)) if names else None
-        except Exception:  # the host's answer goes out unchanged rather than not at all
-            logger.exception("lora-affinity could not add the fleet's models to the listing")
+        except Exception as exc:  # the host's answer goes out unchanged rather than not at all
+            _LISTING_FAILING.fail(f"{type(exc).__name__}: {exc}", exc_info=exc)
+        else:
+            _LISTING_FAILING.recover()
     if start is not None:
         if merged is not None:
             body = merged

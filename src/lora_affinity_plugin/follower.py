@@ -31,6 +31,7 @@ from .lease import worker_id
 from .live_settings import (
     LiveCopy,
     apply_live,
+    foreign,
     live_values,
     notify_channel,
     settings_key,
@@ -212,7 +213,11 @@ class Follower:
             copy = LiveCopy.from_json(raw)
             if copy.version <= self.applied_version:
                 return
-            settings = apply_live(self.base, copy.values)
+            settings = apply_live(self.base, copy.values, ignore_foreign=True)
+            newer = foreign(copy.values)
+            if newer:  # read once per copy (`_last_raw`): said once
+                logger.info("live settings version %s names settings this version does not know (%s): applied "
+                            "without them", copy.version, ", ".join(sorted(newer)))
         except SettingsError as exc:
             SETTINGS_REJECTED.inc()
             logger.error("refused live settings, keeping version %s: %s", self.applied_version, exc)

@@ -9,6 +9,10 @@ Writers use compare-and-set on the version (WATCH/MULTI), so of two racing opera
 the other is told. Followers poll the key with the pod records they read anyway (no extra round
 trip) and also listen on the channel; a value that fails validation is refused and the last good
 settings stay in force.
+
+During a rolling upgrade a newer version may write names this one does not know: followers apply the
+names they know and leave the others (`foreign`), and a writer carries them along untouched, so old
+and new proxies follow the same copy.
 """
 
 from __future__ import annotations
@@ -78,8 +82,16 @@ def live_values(settings: Settings) -> dict[str, Any]:
     return {name: getattr(settings, name) for name in LIVE_SETTINGS}
 
 
-def apply_live(base: Settings, values: dict[str, Any]) -> Settings:
-    """`base` (the file and environment) with the live values on top, validated as one model."""
+def foreign(values: dict[str, Any]) -> dict[str, Any]:
+    """The names in a live copy this version does not know (a newer version's settings)."""
+    return {name: value for name, value in values.items() if name not in Settings.model_fields}
+
+
+def apply_live(base: Settings, values: dict[str, Any], *, ignore_foreign: bool = False) -> Settings:
+    """`base` (the file and environment) with the live values on top, validated as one model. A follower
+    passes `ignore_foreign`: names a newer version wrote are left out, not a reason to refuse the copy."""
+    if ignore_foreign:
+        values = {name: value for name, value in values.items() if name in Settings.model_fields}
     unknown = sorted(set(values) - set(Settings.model_fields))
     if unknown:
         raise SettingsError(f"{unknown[0]}: unknown setting; allowed names are {', '.join(LIVE_SETTINGS)}")
@@ -139,8 +151,9 @@ def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
                 raise ConflictError(f"settings are at version {current}, not {if_version}: "
                                     "someone else changed them; look at `thresholds history` and retry")
             before = old.values if old else live_values(base)
-            checked = apply_live(base, {**before, **changes})
-            new = LiveCopy(current + 1, live_values(checked), time.time(), by)
+            carried = {k: v for k, v in foreign(before).items() if k not in changes}  # a newer version's names
+            checked = apply_live(base, {**{k: v for k, v in before.items() if k not in carried}, **changes})
+            new = LiveCopy(current + 1, {**carried, **live_values(checked)}, time.time(), by)
             changed_from, changed_to = diff(before, new.values)
             pipe.multi()
             pipe.set(key, new.to_json())

@@ -253,7 +253,7 @@ def run_status(args: argparse.Namespace) -> int:
 def run_explain(args: argparse.Namespace) -> int:
     base, config, client = _context(args)
     copy = live_settings.read(client, base.key_prefix)
-    settings = live_settings.apply_live(base, copy.values) if copy else base
+    settings = live_settings.apply_live(base, copy.values, ignore_foreign=True) if copy else base
     pods = discover_pods(config.get("model_list") or [])
     records = {p: r for p, r in _records(client, settings, pods).items() if r is not None}
     fleet = FleetView(settings)

@@ -68,6 +68,7 @@ class ProxyPlugin(CustomLogger):
         self._bad_config: tuple[str, float] | None = None
         """(path, modification time) of a config whose `lora_affinity:` section was refused: read again on change."""
         self._watch_failing = Episode(logger, "lora-affinity could not install its routing strategy")
+        self._counting_failing = Episode(logger, "lora-affinity could not keep a request's in-flight count")
         try:
             self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="lora-affinity-install")
         except RuntimeError:
@@ -188,8 +189,10 @@ class ProxyPlugin(CustomLogger):
                 pod = strategy.pod_of(kwargs)
                 if pod is not None:
                     strategy.fleet.note_dispatch(pod, None, time.time(), call_id)
-        except Exception:
-            logger.exception("lora-affinity could not count a request in flight")
+        except Exception as exc:
+            self._counting_failing.fail(f"counting: {type(exc).__name__}: {exc}", exc_info=exc)
+        else:
+            self._counting_failing.recover()
         client = strategy.pooled_client(kwargs, call_type)
         if client is None:
             return None
@@ -214,8 +217,8 @@ class ProxyPlugin(CustomLogger):
         try:
             if _could_not_connect(kwargs.get("exception")):
                 self._pod_refused(ended.pod if ended is not None else None, kwargs)
-        except Exception:
-            logger.exception("lora-affinity could not take a failed connection into account")
+        except Exception as exc:
+            self._counting_failing.fail(f"a refused connection: {type(exc).__name__}: {exc}", exc_info=exc)
 
     async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
                                            traceback_str=None):
@@ -237,8 +240,8 @@ class ProxyPlugin(CustomLogger):
                 if ended is not None and logger.isEnabledFor(logging.DEBUG):
                     logger.debug("call %s on %s ended (%s)", call_id, ended.pod, via)
                 return ended
-        except Exception:
-            logger.exception("lora-affinity could not end a request in flight")
+        except Exception as exc:
+            self._counting_failing.fail(f"ending: {type(exc).__name__}: {exc}", exc_info=exc)
         return None
 
     def _pod_refused(self, pod: str | None, kwargs: Mapping[str, Any]) -> None:

@@ -263,7 +263,7 @@ class Scraper:
         try:
             copy = LiveCopy.from_json(raw)
             if copy.version > self.settings_version:
-                self.settings = apply_live(self.base_settings, copy.values)
+                self.settings = apply_live(self.base_settings, copy.values, ignore_foreign=True)
                 self.settings_version = copy.version
         except SettingsError as exc:
             if raw != self._rejected:
