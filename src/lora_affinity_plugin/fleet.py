@@ -307,8 +307,8 @@ class FleetView:
     def refused(self, pod: str, now: float) -> bool:
         """A request could not connect to `pod`: it leaves the candidates now, not after its metrics go
         stale, and comes back with the first record scraped after `now` (a pod that is back answers
-        its next scrape), or, whatever the records say, `stale_after_ms` later (a scraper whose clock
-        lags this process's would otherwise keep it out; a pod still down has failing records by then).
+        its next scrape), or, whatever the records say, `stale_after_ms` later (a format 1 scraper on a
+        clock behind this process's would otherwise keep it out; a pod still down has failing records by then).
         True when the pod was a candidate until now."""
         state = self._pods.get(pod)
         if state is None:

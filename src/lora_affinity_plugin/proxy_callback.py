@@ -67,6 +67,7 @@ class ProxyPlugin(CustomLogger):
         """Routers that did not keep the strategy (a LiteLLM internal moved): left to LiteLLM, not retried."""
         self._bad_config: tuple[str, float] | None = None
         """(path, modification time) of a config whose `lora_affinity:` section was refused: read again on change."""
+        self._next_config_check = 0.0
         self._watch_failing = Episode(logger, "lora-affinity could not install its routing strategy")
         self._counting_failing = Episode(logger, "lora-affinity could not keep a request's in-flight count")
         try:
@@ -81,6 +82,9 @@ class ProxyPlugin(CustomLogger):
             from litellm.proxy import proxy_server
 
             path = getattr(proxy_server, "user_config_file_path", None)
+            if self._bad_config is not None and time.monotonic() < self._next_config_check:
+                return None  # a refused file is looked at (stat, not read) at most once a second
+            self._next_config_check = time.monotonic() + 1.0
             changed_at = _modified(path) if path else 0.0
             if self._bad_config is not None and self._bad_config == (path, changed_at):
                 return None
