@@ -1,19 +1,24 @@
 """`lora-affinity bench --scenario host-cost` from the command line, with real processes (its own module:
 CI runs the slowest modules first, side by side)."""
 
+import json
+import statistics
 import subprocess
 
 from procs import CLI, child_env
 
 
-def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plugin():
-    out = subprocess.run(CLI + ["bench", "--scenario", "host-cost", "--requests", "4", "--repeat", "2"],
-                         capture_output=True, text=True, timeout=300, env=child_env())
+def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plugin(tmp_path):
+    path = tmp_path / "host-cost.json"
+    out = subprocess.run(CLI + ["bench", "--scenario", "host-cost", "--requests", "4", "--repeat", "2", "--json",
+                                str(path)], capture_output=True, text=True, timeout=300, env=child_env())
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a turn saturated or failed, said on stderr
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
-            if line.split() and line.split()[0] in ("chat-stream", "chat", "text", "text-stream")}
-    assert set(rows) == {"chat-stream", "chat", "text", "text-stream"}, out.stdout
-    for cells in rows.values():
-        alone, plugin, ratio = float(cells[1]), float(cells[2]), float(cells[3].rstrip("x"))
-        assert alone > 0 and plugin > 0 and abs(ratio - plugin / alone) < 0.01
+    rows = json.loads(path.read_text())
+    assert set(rows) == {"chat-stream", "chat", "text", "text-stream"}, rows
+    printed = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in rows}
+    for kind, row in rows.items():
+        assert len(row["alone_ms"]) == len(row["plugin_ms"]) == 2 and min(row["alone_ms"] + row["plugin_ms"]) > 0
+        ratio = statistics.median(row["plugin_ms"]) / statistics.median(row["alone_ms"])
+        assert row["ratio"] == ratio and row["met"] == (ratio <= row["goal"])  # the goal judged on the raw ratio
+        assert printed[kind][4] == ("met" if row["met"] else "MISSED"), printed[kind]
     assert "refused" not in out.stderr or out.returncode == 1

@@ -129,3 +129,14 @@ def test_the_docs_build_with_mkdocs_strict(tmp_path):
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "site" / "configuration" / "index.html").exists()
+
+
+def test_the_operating_pages_restart_only_list_is_the_models():
+    import re
+    from pathlib import Path
+
+    from lora_affinity_plugin.settings import RESTART_ONLY
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "operating.md").read_text()
+    listed = page.split("Settings that need a restart", 1)[1].split("are refused at run time", 1)[0]
+    assert set(re.findall(r"`([a-z_]+)`", listed)) == RESTART_ONLY, listed

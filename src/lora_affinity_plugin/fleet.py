@@ -161,12 +161,11 @@ class FleetView:
     def confirm(self, served: Dispatch) -> None:
         """`served.pod` answered a request for `served.adapter`: a real adapter, which that pod now holds."""
         adapter = served.adapter
-        if adapter is None:
-            return
-        if adapter not in self._confirmed:
-            self._confirmed[adapter] = None
-            if len(self._confirmed) > _CONFIRMED_KEPT:
-                self._confirmed.popitem(last=False)
+        if adapter is None or self.adapter_known(adapter):
+            return  # known when it was sent: its dispatch already left it in the pod's memory
+        self._confirmed[adapter] = None
+        if len(self._confirmed) > _CONFIRMED_KEPT:
+            self._confirmed.popitem(last=False)
         state = self._pods.get(served.pod)
         if state is not None:
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))

@@ -17,8 +17,10 @@ per second while idle: the plugin's background refresh (one Redis round trip eve
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import statistics
+from pathlib import Path
 import sys
 import time
 from dataclasses import replace
@@ -133,6 +135,9 @@ def run_host_cost(args: argparse.Namespace) -> int:
             fleet.stop()
         store.stop()
     print(_table(cpu, busiest))
+    if getattr(args, "json_path", None):
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(_rows(cpu, busiest), indent=2))
     print(f"idle, CPU ms per second: LiteLLM alone {idle['simple-shuffle']:.1f}, with the plugin "
           f"{idle['lora-affinity']:.1f} (its refresh every scrape_interval_ms)")
     saturated = [key for key, share in busiest.items() if share > SATURATED]
@@ -140,6 +145,17 @@ def run_host_cost(args: argparse.Namespace) -> int:
         print(f"refused: {failures} requests failed; saturated turns: {saturated}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rows(cpu: dict[tuple[str, str], list[float]], busiest: dict[tuple[str, str], float]) -> dict:
+    """Per request kind: each round's CPU ms per request for both proxies, their medians, the ratio and the goal."""
+    out = {}
+    for kind in KINDS:
+        alone, plugin = cpu[("simple-shuffle", kind)], cpu[("lora-affinity", kind)]
+        ratio = statistics.median(plugin) / statistics.median(alone)
+        out[kind] = {"alone_ms": alone, "plugin_ms": plugin, "ratio": ratio, "goal": GOAL, "met": ratio <= GOAL,
+                     "busiest_worker": max(busiest[("simple-shuffle", kind)], busiest[("lora-affinity", kind)])}
+    return out
 
 
 def _table(cpu: dict[tuple[str, str], list[float]], busiest: dict[tuple[str, str], float]) -> str:
