@@ -3,12 +3,12 @@
 Real processes: redis-server, simulated vLLM replicas, a `litellm --config` proxy, and the scraper run
 under Debian's `faketime` (its wall clock shifted; its monotonic clock, which asyncio sleeps by, left
 alone). Records are stamped on Redis's clock, so the proxy sees them fresh whichever way the scraper's
-clock is off, and counts its requests in flight against the right scrape.
+clock is off: every request is routed by the rules, none falls back. How much each skew completes beside
+an unskewed scraper is a benchmark's question, not a test's: `bench-tools/skewed_clocks.py`.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -24,10 +24,8 @@ from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord, pod_key
 
 ADAPTERS = ["sql-lora", "tweet-summary", "chat-lora", "code-lora"]
-PHASE_S = 6.0
+REQUESTS = 60
 CLIENTS = 6
-ROUNDS = 2
-"""Each skew this many times, in turn with the others: a busy machine's pace then weighs on all alike."""
 
 if shutil.which("faketime") is None:  # .ci/run installs it; a machine without it cannot run this module
     pytest.fail("faketime is not installed (Debian package faketime; .ci/run installs it)", pytrace=False)
@@ -49,7 +47,7 @@ def stack(tmp_path_factory):
             wait_port(port)
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(proxy_config(pods, redis_port, scrape_interval_ms=100)))
-        proxy = litellm_proxy(path, proxy_port, tmp)
+        proxy = litellm_proxy(path, proxy_port, tmp, env=child_env(LORA_AFFINITY_LOG_LEVEL="DEBUG"))
         procs.append(proxy)
         yield {"config": path, "tmp": tmp, "proxy": proxy, "url": f"http://127.0.0.1:{proxy_port}",
                "redis": redis_lib.Redis(port=redis_port), "pods": [f"http://127.0.0.1:{p}" for p in pods]}
@@ -75,22 +73,15 @@ def _record_offsets(stack) -> list[float]:
     return [now - PodRecord.from_json(raw).scraped_at for raw in raws if raw is not None]
 
 
-def _load(url: str) -> int:
-    """Completions in PHASE_S seconds from CLIENTS clients, each sending its next request when one ends."""
-    deadline = time.monotonic() + PHASE_S
-
-    def client(i: int) -> int:
-        done = 0
+def _load(url: str) -> list[int]:
+    """REQUESTS completions from CLIENTS clients at a time; their statuses."""
+    def one(i: int) -> int:
         with httpx.Client(timeout=30) as http:
-            while time.monotonic() < deadline:
-                r = http.post(url + "/v1/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"},
-                              json={"model": ADAPTERS[(i + done) % len(ADAPTERS)], "prompt": "hi", "max_tokens": 16})
-                assert r.status_code == 200, r.text
-                done += 1
-        return done
+            return http.post(url + "/v1/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                             json={"model": ADAPTERS[i % len(ADAPTERS)], "prompt": "hi", "max_tokens": 16}).status_code
 
     with ThreadPoolExecutor(CLIENTS) as pool:
-        return sum(pool.map(client, range(CLIENTS)))
+        return list(pool.map(one, range(REQUESTS)))
 
 
 def _phase(stack, skew: str) -> dict:
@@ -98,24 +89,19 @@ def _phase(stack, skew: str) -> dict:
     try:
         time.sleep(2.5)  # the previous holder's lease (1 s) runs out; this one takes it and scrapes
         offsets = _record_offsets(stack)
-        completed = _load(stack["url"])
+        mark = len(stack["proxy"].log())
+        statuses = _load(stack["url"])
         offsets_after = _record_offsets(stack)
+        log = stack["proxy"].log()[mark:]
     finally:
         scraper.stop()
-    return {"completed": completed, "offsets": offsets + offsets_after}
+    return {"statuses": statuses, "offsets": offsets + offsets_after, "decisions": log.count(" -> "),
+            "fallbacks": log.count("routing by metrics unavailable")}
 
 
 def test_routing_holds_with_the_scrapers_clock_3_s_ahead_and_3_s_behind(stack):
-    completed = {"none": 0, "+3s": 0, "-3s": 0}
-    for _ in range(ROUNDS):
-        for name in completed:
-            phase = _phase(stack, "" if name == "none" else name)
-            assert len(phase["offsets"]) == 6 and all(abs(o) < 1.0 for o in phase["offsets"]), (name, phase)
-            completed[name] += phase["completed"]
-    ratios = {name: round(n / completed["none"], 3) for name, n in completed.items()}
-    print(json.dumps({"completed": completed, "ratio": ratios}))
-    # The goal is 0.97x (docs/deploying.md gives the measured ratios); on a CI machine whose pace wanders by
-    # a few percent between phases, this guards against a real loss, not against that noise.
-    assert all(ratio >= 0.92 for ratio in ratios.values()), completed
-    log = stack["proxy"].log()
-    assert "routing by metrics unavailable" not in log
+    for skew in ("", "+3s", "-3s"):
+        phase = _phase(stack, skew)
+        assert len(phase["offsets"]) == 6 and all(abs(o) < 1.0 for o in phase["offsets"]), (skew, phase)
+        assert phase["statuses"] == [200] * REQUESTS, (skew, phase)
+        assert phase["decisions"] == REQUESTS and phase["fallbacks"] == 0, (skew, phase)
