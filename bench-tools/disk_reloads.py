@@ -20,9 +20,9 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from lora_affinity_plugin.bench import fast
-from lora_affinity_plugin.bench.fast import FastObserver
-from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+from lora_affinity_lab.bench import fast
+from lora_affinity_lab.bench.fast import FastObserver
+from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
 
 
 class _Loads(FastObserver):

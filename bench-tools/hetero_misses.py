@@ -16,10 +16,10 @@ import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from lora_affinity_plugin.bench import fast
-from lora_affinity_plugin.bench.fast import FastObserver
-from lora_affinity_plugin.bench.latency import TTFT_TARGET_S
-from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+from lora_affinity_lab.bench import fast
+from lora_affinity_lab.bench.fast import FastObserver
+from lora_affinity_lab.bench.latency import TTFT_TARGET_S
+from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
 
 
 def _kind(adapter: str | None, messages: list | None) -> str:

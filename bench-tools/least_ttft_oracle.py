@@ -25,12 +25,12 @@ import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 
-from lora_affinity_plugin.bench import fast
-from lora_affinity_plugin.bench.fast import FastObserver
-from lora_affinity_plugin.bench.policies import Policy, make_policy, policy_names
-from lora_affinity_plugin.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario
-from lora_affinity_plugin.sim.engine import ReplicaEngine, Sequence
-from lora_affinity_plugin.sim.kv_cache import block_hashes, count_tokens, prompt_text
+from lora_affinity_lab.bench import fast
+from lora_affinity_lab.bench.fast import FastObserver
+from lora_affinity_lab.bench.policies import Policy, make_policy, policy_names
+from lora_affinity_lab.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario
+from lora_affinity_lab.sim.engine import ReplicaEngine, Sequence
+from lora_affinity_lab.sim.kv_cache import block_hashes, count_tokens, prompt_text
 
 NAME = "least-ttft-oracle"
 MAX_STEPS = 5000

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from lora_affinity_plugin.processes import (
+from lora_affinity_lab.processes import (
     MASTER_KEY,
     Proc,
     child_env,

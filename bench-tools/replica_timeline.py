@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from lora_affinity_plugin.bench.fast import FastObserver, run_fast
-from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+from lora_affinity_lab.bench.fast import FastObserver, run_fast
+from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
 
 UNTIL_S = 16.0
 

@@ -13,7 +13,7 @@ import json
 import statistics
 import sys
 
-from lora_affinity_plugin.bench.latency import seed_interval
+from lora_affinity_lab.bench.latency import seed_interval
 
 
 def main(after_path: str, before_path: str) -> None:

@@ -28,11 +28,11 @@ import dataclasses
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 
-from lora_affinity_plugin.bench import fast, policies
-from lora_affinity_plugin.bench.fast import FastObserver
-from lora_affinity_plugin.bench.latency import TTFT_TARGET_S
-from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
-from lora_affinity_plugin.sim.engine import ReplicaEngine
+from lora_affinity_lab.bench import fast, policies
+from lora_affinity_lab.bench.fast import FastObserver
+from lora_affinity_lab.bench.latency import TTFT_TARGET_S
+from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
+from lora_affinity_lab.sim.engine import ReplicaEngine
 
 CAUSES = ("own prefill", "behind prefill", "KV room", "LoRA slot")
 ORACLES = ("kv", "state", "fit")

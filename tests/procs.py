@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lora_affinity_plugin.processes import (  # noqa: F401
+from lora_affinity_lab.processes import (  # noqa: F401
     MASTER_KEY,
     Proc,
     child_env,

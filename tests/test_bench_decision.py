@@ -9,9 +9,9 @@ from dataclasses import replace
 
 from procs import run_bench_tool, run_cli
 
-from lora_affinity_plugin.bench.fast import DispatchLog, FastObserver, run_fast
-from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
-from lora_affinity_plugin.bench.slowdown import SLOW_AT_S, shares
+from lora_affinity_lab.bench.fast import DispatchLog, FastObserver, run_fast
+from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
+from lora_affinity_lab.bench.slowdown import SLOW_AT_S, shares
 
 
 def test_mixed_traffic_starts_sooner_than_with_the_previous_rules():

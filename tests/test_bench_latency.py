@@ -8,8 +8,8 @@ import sys
 
 from procs import BENCH_TOOLS, child_env, run_bench_tool
 
-from lora_affinity_plugin.bench.latency import mixed_goals_summary, seed_interval
-from lora_affinity_plugin.bench.results import Result
+from lora_affinity_lab.bench.latency import mixed_goals_summary, seed_interval
+from lora_affinity_lab.bench.results import Result
 
 
 def test_the_seed_interval_holds_the_ratio_and_narrows_with_a_clear_difference():

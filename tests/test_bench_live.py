@@ -78,8 +78,8 @@ def test_scrape_scale_reports_cpu_per_scrape_and_the_interval():
 def test_a_live_row_with_more_than_one_percent_errors_is_refused(monkeypatch, capsys):
     import argparse
 
-    from lora_affinity_plugin.bench import compare
-    from lora_affinity_plugin.bench.results import Result, refusal
+    from lora_affinity_lab.bench import compare
+    from lora_affinity_lab.bench.results import Result, refusal
 
     good = Result("lora-affinity", "seed", "live", 990, 5, 5, 100.0, 1000, error_kinds={"HTTP 500: x": 5})
     broken = Result("simple-shuffle", "seed", "live", 235, 0, 765, 100.0, 500,
@@ -96,7 +96,7 @@ def test_a_live_row_with_more_than_one_percent_errors_is_refused(monkeypatch, ca
 
 
 def test_a_live_row_whose_proxy_was_saturated_is_refused():
-    from lora_affinity_plugin.bench.results import Result, format_table, refusal
+    from lora_affinity_lab.bench.results import Result, format_table, refusal
 
     def row(busiest: float) -> Result:
         return Result("lora-affinity", "seed", "live", 1000, 0, 0, 100.0, 1000,
@@ -112,8 +112,8 @@ def test_a_live_row_whose_proxy_was_saturated_is_refused():
 def test_a_live_row_measured_on_a_saturated_machine_is_flagged_and_the_demo_slows_down(monkeypatch, capsys, tmp_path):
     import argparse
 
-    from lora_affinity_plugin import demo
-    from lora_affinity_plugin.bench.results import Result, format_table, machine_warning, refusal
+    from lora_affinity_lab import demo
+    from lora_affinity_lab.bench.results import Result, format_table, machine_warning, refusal
 
     def row(strategy: str, lag: float = 0.0, busy: float = 0.5) -> Result:
         return Result(strategy, "seed", "live", 100, 0, 0, 100.0, 1000,
@@ -147,7 +147,7 @@ def test_a_live_row_measured_on_a_saturated_machine_is_flagged_and_the_demo_slow
 
 
 def test_the_probe_reads_this_machines_cpu():
-    from lora_affinity_plugin.bench.transport import machine_cpu
+    from lora_affinity_lab.bench.transport import machine_cpu
 
     busy, total = machine_cpu()
     end = time.monotonic() + 0.3

@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from lora_affinity_plugin.bench.scenarios import SCENARIOS
-from lora_affinity_plugin.bench.fast import run_fast
+from lora_affinity_lab.bench.scenarios import SCENARIOS
+from lora_affinity_lab.bench.fast import run_fast
 
 SEEDS = (1, 2, 3)
 
@@ -55,8 +55,8 @@ def test_runs_are_repeatable():
 
 
 def test_a_sweep_over_seeds_keeps_each_seeds_ttft_p90_beside_the_medians():
-    from lora_affinity_plugin.bench.latency import median_latency
-    from lora_affinity_plugin.bench.scenarios import at_rate
+    from lora_affinity_lab.bench.latency import median_latency
+    from lora_affinity_lab.bench.scenarios import at_rate
 
     runs = [run_fast(at_rate(SCENARIOS["multi-turn"], 3.0), "lora-affinity", seed=s) for s in SEEDS]
     merged = median_latency(runs)

@@ -22,7 +22,7 @@ from procs import (
     wait_port,
 )
 
-from lora_affinity_plugin.processes import proxy_config
+from lora_affinity_lab.processes import proxy_config
 
 INTERVAL_MS = 200
 TTL_S = 2

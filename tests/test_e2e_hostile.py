@@ -19,7 +19,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 from procs import MASTER_KEY, Proc, free_port, free_port_range, lora_affinity, proxy_config, redis_server, wait_port
 
-from lora_affinity_plugin.processes import start_litellm_proxy, wait_proxy
+from lora_affinity_lab.processes import start_litellm_proxy, wait_proxy
 
 HEADERS = {"Authorization": f"Bearer {MASTER_KEY}", "Content-Type": "application/json"}
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 200

@@ -25,7 +25,7 @@ from procs import (
     wait_port,
 )
 
-from lora_affinity_plugin.processes import start_litellm_proxy, wait_proxy
+from lora_affinity_lab.processes import start_litellm_proxy, wait_proxy
 
 HEADERS = {"Authorization": f"Bearer {MASTER_KEY}"}
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, wait_port
 
-from lora_affinity_plugin.processes import litellm_proxy, proxy_config
+from lora_affinity_lab.processes import litellm_proxy, proxy_config
 
 PASSWORD, USER_PASSWORD, TOKEN = "adm1n-s3cret", "us3r-s3cret", "metr1cs-t0ken"
 SECRETS = (PASSWORD, USER_PASSWORD, TOKEN)

@@ -25,7 +25,7 @@ from procs import (
 )
 
 from lora_affinity_plugin.live_settings import LiveCopy, settings_key
-from lora_affinity_plugin.processes import proxy_config, start_litellm_proxy, wait_proxy
+from lora_affinity_lab.processes import proxy_config, start_litellm_proxy, wait_proxy
 from lora_affinity_plugin.settings import build_settings
 
 CLI = [sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING"]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
+from lora_affinity_lab.sim.engine import EngineConfig, ReplicaEngine, Sequence
 
 
 def engine(**kw):
@@ -95,7 +95,7 @@ def test_output_lengths_match_the_model():
 
 # --- prefix caching ----------------------------------------------------------------------------
 
-from lora_affinity_plugin.sim.kv_cache import BlockPool, block_hashes, count_tokens  # noqa: E402
+from lora_affinity_lab.sim.kv_cache import BlockPool, block_hashes, count_tokens  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 70  # ~3,150 bytes: ~1,050 tokens
 
@@ -178,7 +178,7 @@ def test_prefix_caching_off():
 
 
 def test_a_chats_next_turn_hits_the_blocks_of_the_reply_it_resends():
-    from lora_affinity_plugin.sim.kv_cache import prompt_text
+    from lora_affinity_lab.sim.kv_cache import prompt_text
 
     e = engine()
     history = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "first question"}]

@@ -49,11 +49,18 @@ def test_the_runtime_dependencies_leave_out_what_only_benchmarks_use():
     assert not any(r.startswith("litellm[") and "extra ==" not in r for r in requires)  # [proxy] is optional
 
 
-def test_a_benchmark_command_without_the_bench_extra_names_it(monkeypatch):
+def test_a_lab_command_without_the_lab_installed_names_it(monkeypatch, capsys):
     from lora_affinity_plugin import cli
 
-    real_find_spec = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "tqdm" else real_find_spec(name))
-    assert "pip install 'lora-affinity-plugin[bench]'" in cli.missing_extra("bench")
-    assert cli.missing_extra("scrape") is None
-    assert cli.main(["demo"]) == 2
+    monkeypatch.setattr(cli, "_lab", lambda: None)
+    assert cli.main(["demo", "--speed", "5"]) == 2
+    assert "pip install ./lab" in capsys.readouterr().err
+    assert cli.main(["--log-level", "WARNING", "bench"]) == 2
+
+
+def test_the_runtime_never_imports_the_lab():
+    """The scraper's command and the proxy's callback load no module of the lab's."""
+    code = ("import sys, lora_affinity_plugin.proxy_callback, lora_affinity_plugin.cli as c; c.build_parser('scrape'); "
+            "print(sorted(m for m in sys.modules if m.startswith('lora_affinity_lab')))")
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]

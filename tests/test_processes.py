@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_affinity_plugin import processes
+from lora_affinity_lab import processes
 
 
 class _Started:

@@ -10,7 +10,7 @@ from lora_affinity_plugin.parsing import parse_metrics
 from lora_affinity_plugin.rates import PodCounters, RateTracker, decode_load
 from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
 from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
+from lora_affinity_lab.sim.engine import EngineConfig, ReplicaEngine, Sequence
 from lora_affinity_plugin.store import PodRecord
 
 S = build_settings({}, environ={})
@@ -178,8 +178,8 @@ def test_an_unseen_long_prompt_goes_to_the_faster_holder_before_the_emptier_cach
 
 
 def test_the_mixed_workload_mixes_adapters_shapes_and_chats():
-    from lora_affinity_plugin.bench.prefix_workloads import PrefixWorkload
-    from lora_affinity_plugin.bench.scenarios import at_rate, get_scenario
+    from lora_affinity_lab.bench.prefix_workloads import PrefixWorkload
+    from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
 
     scenario = at_rate(get_scenario("mixed"), 4.0)
     workload = PrefixWorkload(scenario, 1)

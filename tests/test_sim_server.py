@@ -90,9 +90,9 @@ def test_non_streaming_client_that_times_out_aborts_too(sim):
 def test_the_current_vllm_lora_form_lists_every_active_adapter_in_both_lists():
     import random
 
-    from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
-    from lora_affinity_plugin.sim.metrics_page import render_metrics
-    from lora_affinity_plugin.sim.server import LiveReplica
+    from lora_affinity_lab.sim.engine import EngineConfig, ReplicaEngine, Sequence
+    from lora_affinity_lab.sim.metrics_page import render_metrics
+    from lora_affinity_lab.sim.server import LiveReplica
 
     config = EngineConfig(max_loras=2)
     pages = {}
@@ -158,7 +158,7 @@ def test_timing_histograms_and_a_speed_change_through_the_control_endpoint(sim):
 
 
 def test_replica_profiles_are_checked():
-    from lora_affinity_plugin.sim.arguments import parse_profiles
+    from lora_affinity_lab.sim.arguments import parse_profiles
 
     assert parse_profiles("speed=1;speed=0.5,kv_blocks=350") == [{"speed": 1.0}, {"speed": 0.5, "kv_blocks": 350}]
     with pytest.raises(SystemExit, match="KEY one of speed"):
@@ -172,9 +172,9 @@ async def test_a_replica_counts_the_time_its_steps_ran_late():
     import asyncio
     import random
 
-    from lora_affinity_plugin.sim.engine import EngineConfig, ReplicaEngine, Sequence
-    from lora_affinity_plugin.sim.metrics_page import render_metrics
-    from lora_affinity_plugin.sim.server import LiveReplica
+    from lora_affinity_lab.sim.engine import EngineConfig, ReplicaEngine, Sequence
+    from lora_affinity_lab.sim.metrics_page import render_metrics
+    from lora_affinity_lab.sim.server import LiveReplica
 
     config = EngineConfig()
     engine = ReplicaEngine(config, random.Random(1), [], [])
@@ -197,8 +197,8 @@ async def test_a_replica_counts_the_time_its_steps_ran_late():
 def test_the_live_bench_starts_a_scenarios_replica_profiles(tmp_path):
     """The live bench once started every scenario's replicas alike: `mixed-hetero` ran on equal replicas live
     while fast mode slowed half of them. Its sim, started with the bench's own arguments, runs them as profiled."""
-    from lora_affinity_plugin.bench.live import sim_arguments
-    from lora_affinity_plugin.bench.scenarios import get_scenario
+    from lora_affinity_lab.bench.live import sim_arguments
+    from lora_affinity_lab.bench.scenarios import get_scenario
 
     scenario = get_scenario("mixed-hetero")
     base = free_port_range(scenario.replicas)

@@ -1,4 +1,5 @@
-"""`lora-affinity`: the command line (scraper worker, simulator, benchmarks, demo)."""
+"""`lora-affinity`: the command line: the scraper worker and the operator commands; with lora-affinity-lab
+installed, also the simulator, the benchmarks and the demo (`sim`, `bench`, `demo`), which a proxy never imports."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import argparse
 import asyncio
 import functools
 import importlib.metadata
-import importlib.util
 import logging
 import os
 import signal
@@ -66,7 +66,14 @@ def show_defaults(subparsers: argparse._SubParsersAction) -> argparse._SubParser
     return subparsers
 
 
-def build_parser() -> argparse.ArgumentParser:
+LAB_COMMANDS = {"bench": "benchmarks: routing quality and decision latency",
+                "sim": "simulated vLLM replicas with LoRA, one port each",
+                "demo": "everything on this machine: Redis, fleet, proxies, benchmark"}
+"""Commands of the lora-affinity-lab package (the repository's `lab/`)."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; the lab's commands are built (and the lab imported) only when `command` is one of them."""
     parser = argparse.ArgumentParser(prog="lora-affinity", description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -80,16 +87,29 @@ def build_parser() -> argparse.ArgumentParser:
     scrape.add_argument("--metrics-port", type=int, help="serve the scraper's Prometheus metrics on this port")
     scrape.set_defaults(func=_cmd_scrape)
 
-    from .bench import add_bench_arguments
-    from .demo import add_demo_arguments
     from .ops import add_ops_arguments
-    from .sim.arguments import add_sim_arguments
 
-    add_bench_arguments(sub.add_parser("bench", help="benchmarks: routing quality and decision latency"))
-    add_sim_arguments(sub.add_parser("sim", help="simulated vLLM replicas with LoRA, one port each"))
-    add_demo_arguments(sub.add_parser("demo", help="everything on this machine: Redis, fleet, proxies, benchmark"))
     add_ops_arguments(sub)
+    lab = _lab() if command in LAB_COMMANDS else None
+    if lab is not None:
+        lab.add_commands(sub)
+    else:  # named, so `--help` lists them; they say how to install the lab
+        for name, text in LAB_COMMANDS.items():
+            sub.add_parser(name, help=f"{text} (lora-affinity-lab)", add_help=False)
     return parser
+
+
+def _lab():
+    try:
+        import lora_affinity_lab.cli as lab
+    except ImportError:
+        return None
+    return lab
+
+
+def lab_missing(command: str) -> str:
+    return (f"lora-affinity {command} is in lora-affinity-lab, the simulator and benchmarks, which is not installed "
+            f"(a proxy does not need it): pip install ./lab, from this repository")
 
 
 def _version() -> str:
@@ -99,34 +119,30 @@ def _version() -> str:
         return "unknown"
 
 
-BENCH_EXTRA = {"bench": ("tqdm", "uvicorn", "starlette"), "demo": ("tqdm", "uvicorn", "starlette"),
-               "sim": ("uvicorn", "starlette")}
-"""What the simulator, benchmarks and demo need beyond a proxy's install: the `bench` extra."""
-
-
-def missing_extra(command: str) -> str | None:
-    """A message naming the extra to install when `command` needs modules that are not installed."""
-    missing = [m for m in BENCH_EXTRA.get(command, ()) if importlib.util.find_spec(m) is None]
-    if not missing:
-        return None
-    return (f"lora-affinity {command} needs {', '.join(missing)}, from the bench extra: "
-            f"pip install 'lora-affinity-plugin[bench]'")
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (the first word that is not an option or an option's value)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    problem = missing_extra(args.command)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    command = _command(argv)
+    if command in LAB_COMMANDS and _lab() is None:
+        print(f"error: {lab_missing(command)}", file=sys.stderr)
         return 2
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown everything
     try:
         code = int(args.func(args) or 0)
-        if code:
-            from .processes import keep_scratch
-
-            keep_scratch()  # a run that reports a failure keeps its logs for whoever looks into it
+        if code and args.command in LAB_COMMANDS and (lab := _lab()) is not None:
+            lab.keep_logs()  # a run that reports a failure keeps its logs for whoever looks into it
         return code
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)

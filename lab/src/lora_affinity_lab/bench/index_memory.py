@@ -11,11 +11,11 @@ import random
 import time
 import tracemalloc
 
-from ..fleet import FleetView
-from ..prefix_index import SHARE_MAX_BLOCKS, encode_entries
-from ..scheduling import PodMetrics
-from ..settings import build_settings
-from ..store import PodRecord
+from lora_affinity_plugin.fleet import FleetView
+from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS, encode_entries
+from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.store import PodRecord
 
 
 def run_index_memory(args: argparse.Namespace) -> int:

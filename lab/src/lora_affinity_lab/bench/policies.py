@@ -11,13 +11,13 @@ import argparse
 import random
 from collections import defaultdict, deque
 
-from ..fleet import FleetView
-from ..inflight import PeerShare
-from ..prefix_index import SHARE_MAX_BLOCKS
-from ..rates import RateTracker, decode_load
-from ..scheduling import Candidate, Decision, NoCapacity, PodMetrics, RouteRequest, Shed, choose_pod
-from ..settings import Settings, SettingsError, build_settings
-from ..store import PodRecord
+from lora_affinity_plugin.fleet import FleetView
+from lora_affinity_plugin.inflight import PeerShare
+from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS
+from lora_affinity_plugin.rates import RateTracker, decode_load
+from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, PodMetrics, RouteRequest, Shed, choose_pod
+from lora_affinity_plugin.settings import Settings, SettingsError, build_settings
+from lora_affinity_plugin.store import PodRecord
 
 BASE_MODEL = "meta-llama/Llama-2-7b-hf"
 SHED = -1
@@ -320,7 +320,7 @@ def policy_names() -> list[str]:
 
 def bench_overrides(args: argparse.Namespace) -> dict:
     """`--set NAME=VALUE` words, validated as plugin settings (a bad one stops the run with its reason)."""
-    from ..live_settings import parse_assignments
+    from lora_affinity_plugin.live_settings import parse_assignments
 
     values = parse_assignments(getattr(args, "settings", None) or [])
     try:

@@ -28,7 +28,7 @@ from dataclasses import replace
 import httpx
 
 from ..processes import MASTER_KEY, free_port, redis_server, scratch_dir
-from ..settings import Settings
+from lora_affinity_plugin.settings import Settings
 from .live import Fleet
 from .scenarios import get_scenario
 from .transport import SATURATED, tree_cpu

@@ -22,7 +22,7 @@ from .bench.results import Result, format_table, machine_warning, refusal, write
 from .bench.scenarios import get_scenario, with_overrides
 from .processes import free_port, redis_server, scratch_dir
 
-_EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
+_EXAMPLE = Path(__file__).resolve().parents[3] / "config.example.yaml"  # the repository root, above lab/src
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:

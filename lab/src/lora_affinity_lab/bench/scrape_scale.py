@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable
 
-from ..parsing import parse_metrics
+from lora_affinity_plugin.parsing import parse_metrics
 from ..processes import (
     Proc,
     free_port,
@@ -25,9 +25,9 @@ from ..processes import (
     scratch_dir,
     wait_port,
 )
-from ..scheduling import PodMetrics
-from ..scraper import Scraper
-from ..settings import build_settings
+from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.scraper import Scraper
+from lora_affinity_plugin.settings import build_settings
 from .parse import full_parse, reference_page
 
 GOAL_CORES = 1.0
@@ -68,7 +68,7 @@ def run_scrape_scale(args: argparse.Namespace) -> int:
     workdir = scratch_dir("lora-affinity-scrape-scale-")
     redis_port, base = free_port(), free_port_range(count)
     store = redis_server(redis_port, workdir, allow_embedded=True)
-    pages = Proc("pages", [sys.executable, "-m", "lora_affinity_plugin.bench.pages", "--base-port", str(base),
+    pages = Proc("pages", [sys.executable, "-m", "lora_affinity_lab.bench.pages", "--base-port", str(base),
                            "--count", str(count), "--page", str(page)], workdir)
     variants: list[tuple[str, Callable[[str], PodMetrics]]] = [
         ("lora-affinity parser", parse_metrics), ("prometheus_client full parse", full_parse)]

@@ -9,15 +9,15 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..parsing import parse_metrics
-from ..scheduling import PodMetrics
+from lora_affinity_plugin.parsing import parse_metrics
+from lora_affinity_plugin.scheduling import PodMetrics
 
 REFERENCE_PAGE = "synthetic_full_page_v1_48k.txt"
 
 
 def reference_page() -> Path:
     here = Path(__file__).resolve()
-    for root in (here.parents[3] / "tests" / "fixtures" / "vllm-metrics", here.parents[4] / "shared" / "fixtures" / "vllm-metrics"):
+    for root in (here.parents[4] / "tests" / "fixtures" / "vllm-metrics", here.parents[5] / "shared" / "fixtures" / "vllm-metrics"):
         if (root / REFERENCE_PAGE).exists():
             return root / REFERENCE_PAGE
     raise SystemExit(f"{REFERENCE_PAGE} not found (run from a clone of the repository)")

@@ -16,7 +16,7 @@ import httpx
 import redis
 import yaml
 
-from .. import live_settings
+from lora_affinity_plugin import live_settings
 from ..processes import (
     Proc,
     free_port,
@@ -27,7 +27,7 @@ from ..processes import (
     wait_port,
     wait_proxy,
 )
-from ..settings import build_settings
+from lora_affinity_plugin.settings import build_settings
 
 _VERSION = re.compile(r"^lora_affinity_settings_version (\S+)$", re.M)
 

@@ -29,8 +29,8 @@ import httpx
 import redis
 import yaml
 
-from ..inflight import read_shared
-from ..memtrace import ENV
+from lora_affinity_plugin.inflight import read_shared
+from lora_affinity_plugin.memtrace import ENV
 from ..processes import (
     MASTER_KEY,
     Proc,

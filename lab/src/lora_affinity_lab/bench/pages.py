@@ -1,6 +1,6 @@
 """Static `/metrics` pages on many ports from one process: the fleet for `bench --scenario scrape-scale`.
 
-    python -m lora_affinity_plugin.bench.pages --base-port 20000 --count 256 --page page.txt
+    python -m lora_affinity_lab.bench.pages --base-port 20000 --count 256 --page page.txt
 
 A bare asyncio protocol answers every keep-alive GET with the same prebuilt response, so serving 256
 replicas' pages costs the benchmark machine little next to the scraper it measures.

@@ -1,4 +1,4 @@
-"""`lora-affinity sim`'s options, apart from the server so that the CLI builds without the bench extra."""
+"""`lora-affinity sim`'s options, apart from the server so that the CLI builds them without its imports."""
 
 from __future__ import annotations
 

@@ -14,11 +14,11 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..inflight import merge_shares
+from lora_affinity_plugin.inflight import merge_shares
 from ..sim.arguments import parse_profiles
 from ..sim.engine import EngineConfig, ReplicaEngine, Sequence
 from ..sim.kv_cache import block_hashes, count_tokens, prompt_text
-from ..scheduling import PodMetrics
+from lora_affinity_plugin.scheduling import PodMetrics
 from .policies import SHED, Policy, make_policy
 from .prefix_workloads import PrefixWorkload
 from .prompt_shapes import lora_prompt

@@ -1,0 +1,1 @@
+"""The simulated vLLM fleet, the benchmarks and the demo of lora-affinity-plugin; a proxy never imports it."""
