@@ -155,6 +155,7 @@ def test_a_hosted_group_with_an_api_base_keeps_litellms_weights_and_never_sees_t
     stays LiteLLM's (its weights, 3 to 1), the token goes to the pods only, and no fallback is counted."""
     count = 160
     shares = {name: _shares(url, stack["hosted"], count) for name, url in stack["urls"].items()}
+    print(f"{count} chats to the 3:1 group, where each went: {shares}")
     expected = WEIGHTS["eu"] / sum(WEIGHTS.values())
     for name, share in shares.items():
         assert sum(share.values()) == count
