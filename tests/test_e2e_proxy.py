@@ -77,11 +77,17 @@ class Stack:
                   **body},
         )
 
-    def send(self, model: str, n: int, pace_s: float = 0.0, **kw) -> list[httpx.Response]:
+    def send(self, model: str, n: int, pace_s: float = 0.0, decided: bool = True, **kw) -> list[httpx.Response]:
+        """`n` requests; with `decided`, each must be a decision of the plugin's rules (its DEBUG line), not
+        LiteLLM's pick, so a routing test cannot pass on a fallback."""
+        before = self.procs["proxy"].log().count(") among [")
         out = []
         for _ in range(n):
             out.append(self.complete(model, **kw))
             time.sleep(pace_s)
+        if decided:
+            count = self.procs["proxy"].log().count(") among [") - before
+            assert count == n, f"{count} of {n} requests were decided by the plugin"
         return out
 
 
@@ -172,7 +178,7 @@ def test_routing_falls_back_while_redis_is_down_and_returns_after(stack):
     stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
     stack.redis.stop()
     time.sleep(1.5)  # past metrics_ttl_ms: the proxy's last snapshot is too old to use, even as a backup
-    responses = stack.send("sql-lora", 12)
+    responses = stack.send("sql-lora", 12, decided=False)  # Redis is down: LiteLLM's pick
     assert [r.status_code for r in responses] == [200] * 12
     served = stack.served()
     assert served["A"] + served["C"] > 0, "with no fresh metrics the proxy shuffles"

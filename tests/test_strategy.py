@@ -111,6 +111,7 @@ async def test_named_groups_and_explicit_adapter_field():
     assert {await route(router, "sql") for _ in range(4)} == {PODS[1].removesuffix("/v1/")}
     dep = await router.async_get_available_deployment(model="tweets", request_kwargs={})
     assert dep["litellm_params"]["api_base"] == PODS[0]
+    assert strat.decisions == 5 and strat.fallbacks == 0  # the rules chose, not LiteLLM's pick
 
 
 async def test_base_model_request_skips_lora_rules():
@@ -118,6 +119,7 @@ async def test_base_model_request_skips_lora_rules():
     fleet.update({p: record(p, running={"x"} if p == PODS[0] else ()) for p in PODS})
     seen = {await route(router, "base-model") for _ in range(30)}
     assert len(seen) >= 2  # balanced, not pinned to the pod running an adapter
+    assert strat.decisions == 30 and strat.fallbacks == 0
 
 
 async def test_no_fresh_metrics_falls_back_to_shuffle_and_logs_once(caplog):
@@ -234,6 +236,7 @@ async def test_model_group_override_changes_only_that_group():
     router, strat, fleet = make(model_group_overrides={"batch-lora": {"queue_threshold_critical": 100}})
     fleet.update({p: record(p, waiting=50) for p in PODS})
     assert await route(router, "batch-lora", metadata={"criticality": "sheddable"}) in PODS
+    assert strat.decisions == 1 and strat.fallbacks == 0
     with pytest.raises(litellm.RateLimitError):
         await route(router, "sql-lora", metadata={"criticality": "sheddable"})
 
@@ -247,6 +250,7 @@ async def test_a_retry_of_the_same_call_goes_to_another_pod():
     assert first["litellm_params"]["api_base"].startswith(PODS[0])
     assert not retry["litellm_params"]["api_base"].startswith(PODS[0])  # the pod that just failed is avoided
     assert other["litellm_params"]["api_base"].startswith(PODS[0])  # a new request still gets affinity
+    assert strat.decisions == 3 and strat.fallbacks == 0
 
 
 BAD_HOOK_INPUTS = [None, {}, {"litellm_call_id": None}, {"litellm_call_id": "c", "model_info": "not a dict"},
