@@ -269,7 +269,7 @@ class FleetView:
         get = self._pods.get
         for pod in pods:
             state = get(pod)
-            if state is not None and (state.record.proven or state.record.metrics is not None):
+            if state is not None and state.record.proven:  # a record with metrics is proven (PodRecord)
                 return True
         return False
 

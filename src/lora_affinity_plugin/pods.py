@@ -13,6 +13,7 @@ The metrics token goes only to pods the operator named for it (`metrics_token_po
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
@@ -58,44 +59,53 @@ POD_MARKER = "lora_affinity_pod"
 
 
 def pod_marks(model_list: Iterable[Mapping[str, Any]]) -> dict[str, bool]:
-    """pod -> the operator's `model_info.lora_affinity_pod`, for pods whose deployments set it (false wins)."""
+    """pod -> the operator's `model_info.lora_affinity_pod`, for pods whose deployments set it (false wins).
+    A value that is neither true nor false is said once and ignored: the deployment is judged by its page."""
     marks: dict[str, bool] = {}
     for deployment in model_list:
-        mark = (deployment.get("model_info") or {}).get(POD_MARKER)
-        pod = deployment_pod(deployment) if mark is not None else None
-        if pod is not None:
-            marks[pod] = marks.get(pod, True) and _truthy(mark)
+        raw = (deployment.get("model_info") or {}).get(POD_MARKER)
+        pod = deployment_pod(deployment) if raw is not None else None
+        mark = _mark(raw, pod) if pod is not None else None
+        if mark is not None:
+            marks[pod] = marks.get(pod, True) and mark
     return marks
 
 
-def _truthy(value: Any) -> bool:
-    return value is True or str(value).strip().lower() in ("true", "yes", "1", "on")
+_MARKS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+_BAD_MARKS_SAID: set[tuple[str, str]] = set()
 
 
-def discover_pods(model_list: Iterable[Mapping[str, Any]]) -> list[str]:
+def _mark(value: Any, pod: str) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    mark = _MARKS.get(str(value).strip().lower())
+    if mark is None and (pod, repr(value)) not in _BAD_MARKS_SAID:
+        _BAD_MARKS_SAID.add((pod, repr(value)))
+        logging.getLogger("lora_affinity").warning(
+            "model_info.%s of %s: %r is not allowed (true or false); ignored", POD_MARKER, pod, value)
+    return mark
+
+
+def discover_pods(model_list: Iterable[Mapping[str, Any]], marks: Mapping[str, bool] | None = None) -> list[str]:
     """Every distinct candidate pod named by a config's `model_list`, in order of first appearance: each
-    deployment with an api_base, unless marked `lora_affinity_pod: false`."""
+    deployment with an api_base, unless marked `lora_affinity_pod: false` (`marks`: `pod_marks`, if known)."""
     model_list = list(model_list)
-    excluded = {pod for pod, mark in pod_marks(model_list).items() if not mark}
+    marks = pod_marks(model_list) if marks is None else marks
     seen: dict[str, None] = {}
     for deployment in model_list:
         pod = deployment_pod(deployment)
-        if pod and pod not in excluded:
+        if pod and marks.get(pod, True):
             seen.setdefault(pod)
     return list(seen)
 
 
-def token_pods(model_list: Iterable[Mapping[str, Any]], host_patterns: Iterable[str]) -> frozenset[str]:
-    """The pods that may receive the metrics token: marked `lora_affinity_pod: true`, or whose `host:port`
-    matches one of `host_patterns` (shell wildcards, case-insensitive). Every other api_base never sees it."""
-    model_list = list(model_list)
+def token_pods(candidates: Iterable[str], marks: Mapping[str, bool], host_patterns: Iterable[str]) -> frozenset[str]:
+    """Of the `candidates` (`discover_pods`), those that may receive the metrics token: marked
+    `lora_affinity_pod: true`, or whose `host:port` matches one of `host_patterns` (shell wildcards,
+    case-insensitive). Every other api_base never sees it."""
     patterns = [p.strip().lower() for p in host_patterns if p.strip()]
-    chosen = {pod for pod, mark in pod_marks(model_list).items() if mark}
-    for pod in discover_pods(model_list):
-        netloc = urlsplit(pod).netloc
-        if any(fnmatch.fnmatchcase(netloc, pattern) for pattern in patterns):
-            chosen.add(pod)
-    return frozenset(chosen)
+    return frozenset(pod for pod in candidates if marks.get(pod) or any(
+        fnmatch.fnmatchcase(urlsplit(pod).netloc, pattern) for pattern in patterns))
 
 
 def _provider_prefixes() -> frozenset[str]:

@@ -131,10 +131,11 @@ class Scraper:
         """The scraper of a proxy config's `model_list`: its candidate pods, their engines, who gets the token.
         ValueError names a bad `model_info.engine`."""
         model_list = list(model_list)
-        return cls(settings, discover_pods(model_list), redis_client,
-                   engines=pod_engines(model_list, settings.default_engine),
-                   token_pods=token_pods(model_list, settings.metrics_token_pods),
-                   marked_pods=[pod for pod, mark in pod_marks(model_list).items() if mark])
+        marks = pod_marks(model_list)
+        pods = discover_pods(model_list, marks)
+        return cls(settings, pods, redis_client, engines=pod_engines(model_list, settings.default_engine),
+                   token_pods=token_pods(pods, marks, settings.metrics_token_pods),
+                   marked_pods=[pod for pod, mark in marks.items() if mark])
 
     async def _scrape_pod(self, pod: str) -> PodRecord:
         started = time.time()
