@@ -73,6 +73,12 @@ def _record_offsets(stack) -> list[float]:
     return [now - PodRecord.from_json(raw).scraped_at for raw in raws if raw is not None]
 
 
+def _holders(stack) -> set[str]:
+    """Which scraper (`worker#token`) wrote each pod's record now; a set of as many entries as records."""
+    raws = stack["redis"].mget([pod_key(build_settings({}), pod) for pod in stack["pods"]])
+    return {f"{pod}|{PodRecord.from_json(raw).scraper}" for pod, raw in zip(stack["pods"], raws) if raw is not None}
+
+
 def _load(url: str) -> list[int]:
     """REQUESTS completions from CLIENTS clients at a time; their statuses."""
     def one(i: int) -> int:
@@ -85,9 +91,15 @@ def _load(url: str) -> list[int]:
 
 
 def _phase(stack, skew: str) -> dict:
+    """The scraper's clock `skew` off (faketime's form, "" for none): records' offsets from Redis's clock, before
+    and after a load of REQUESTS, the load's statuses, and the proxy's decisions and fallbacks meanwhile."""
+    before = _holders(stack)
     scraper = _scraper(stack, skew)
     try:
-        time.sleep(2.5)  # the previous holder's lease (1 s) runs out; this one takes it and scrapes
+        deadline = time.monotonic() + 60  # a safety net: the previous lease (1 s) runs out, this one takes it
+        while time.monotonic() < deadline and (len(now := _holders(stack)) < 3 or now & before):
+            time.sleep(0.1)
+        assert len(now) == 3 and not now & before, f"no record by the new scraper: {now}"
         offsets = _record_offsets(stack)
         mark = len(stack["proxy"].log())
         statuses = _load(stack["url"])
@@ -99,9 +111,17 @@ def _phase(stack, skew: str) -> dict:
             "fallbacks": log.count("routing by metrics unavailable")}
 
 
+SKEW_S = 3.0
+
+
 def test_routing_holds_with_the_scrapers_clock_3_s_ahead_and_3_s_behind(stack):
-    for skew in ("", "+3s", "-3s"):
+    unskewed = None
+    for skew in ("", f"+{SKEW_S:g}s", f"-{SKEW_S:g}s"):
         phase = _phase(stack, skew)
-        assert len(phase["offsets"]) == 6 and all(abs(o) < 1.0 for o in phase["offsets"]), (skew, phase)
+        ages = [abs(o) for o in phase["offsets"]]
+        assert len(ages) == 6, (skew, phase)
+        if unskewed is None:  # how old records are when read, with every clock agreeing: the yardstick
+            unskewed = max(ages)
+        assert max(ages) < unskewed + SKEW_S / 2, (skew, unskewed, phase)  # not off by the skew
         assert phase["statuses"] == [200] * REQUESTS, (skew, phase)
         assert phase["decisions"] == REQUESTS and phase["fallbacks"] == 0, (skew, phase)

@@ -106,8 +106,12 @@ def test_a_page_with_one_malformed_family_keeps_its_pod_routed(stack):
     garbled = stack["pods"][0]
     httpx.post(garbled + "/control", json={"garble": "vllm:kv_cache_usage_perc"}).raise_for_status()
     try:
-        time.sleep(0.5)
-        record = PodRecord.from_json(stack["redis"].get(pod_key(SETTINGS, garbled)))
+        deadline = time.monotonic() + 30  # a safety net: the scraper reads the page every 100 ms
+        while time.monotonic() < deadline:
+            record = PodRecord.from_json(stack["redis"].get(pod_key(SETTINGS, garbled)))
+            if record.degraded:
+                break
+            time.sleep(0.05)
         assert record.metrics is not None and any("kv_cache_usage_perc" in d for d in record.degraded), record
         mark = len(stack["proxy"].log())
         assert _send(stack["url"], 60) == {200: 60}

@@ -23,7 +23,7 @@ from lora_affinity_plugin.cost import PodRates
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.follower import Follower
 from lora_affinity_plugin.parsing import MetricsPageError, parse_metrics
-from lora_affinity_plugin.pods import discover_pods, token_pods
+from lora_affinity_plugin.pods import discover_pods, pod_marks, token_pods
 from lora_affinity_plugin.prefixes import prompt_prefix
 from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
 from lora_affinity_plugin.scraper import Scraper
@@ -74,9 +74,22 @@ MODEL_LIST = [
 
 def test_the_metrics_token_goes_only_to_pods_named_for_it():
     assert discover_pods(MODEL_LIST) == ["http://vllm-0.svc:8000", "http://10.1.1.1:8000", "https://x.openai.azure.com:443"]
-    assert token_pods(MODEL_LIST, []) == {"http://10.1.1.1:8000"}
-    assert token_pods(MODEL_LIST, ["vllm-*.svc:8000"]) == {"http://vllm-0.svc:8000", "http://10.1.1.1:8000"}
-    assert token_pods(MODEL_LIST, ["*"]) == set(discover_pods(MODEL_LIST))  # the operator's own choice
+    pods, marks = discover_pods(MODEL_LIST), pod_marks(MODEL_LIST)
+    assert token_pods(pods, marks, []) == {"http://10.1.1.1:8000"}
+    assert token_pods(pods, marks, ["vllm-*.svc:8000"]) == {"http://vllm-0.svc:8000", "http://10.1.1.1:8000"}
+    assert token_pods(pods, marks, ["*"]) == set(pods)  # the operator's own choice
+
+
+def test_a_pod_mark_that_is_neither_true_nor_false_is_said_and_ignored():
+    model_list = [{"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": "http://p:1/v1"},
+                   "model_info": {"lora_affinity_pod": "maybe"}},
+                  {"model_name": "*", "litellm_params": {"model": "hosted_vllm/*", "api_base": "http://q:1/v1"},
+                   "model_info": {"lora_affinity_pod": "off"}}]
+    with logged() as records:
+        assert pod_marks(model_list) == {"http://q:1": False} and pod_marks(model_list)
+    assert discover_pods(model_list) == ["http://p:1"]  # still scraped: its page decides
+    warnings = [r.getMessage() for r in records if "lora_affinity_pod" in r.getMessage()]
+    assert len(warnings) == 1 and "'maybe' is not allowed (true or false)" in warnings[0]
 
 
 async def test_the_scraper_sends_the_token_to_named_pods_only():
@@ -171,10 +184,14 @@ async def test_ages_and_counted_requests_hold_with_clocks_seconds_apart(monkeypa
         await proxy.refresh(redis)
         proxy_now = time.time() + proxy_skew
         proxy.fleet.note_dispatch(url("a"), None, proxy_now, call_id="sent-after-the-scrape")
-        await scraper.scrape_once()  # scraped before the request reached the pod? No: after it was sent ...
+        await scraper.scrape_once()  # scraped after the request was sent ...
+        scraped_by = time.time() + proxy_skew
         await proxy.refresh(redis)
         record = proxy.fleet.record(url("a"))
-        assert abs(proxy_now - record.scraped_at) < 0.5  # ... a fresh record, on the proxy's own clock
+        # ... so, on the proxy's own clock, between the dispatch and the scrape's end, give or take the offsets'
+        # error (half a round trip each, within the scrape's own duration)
+        slack = scraped_by - proxy_now
+        assert proxy_now - slack <= record.scraped_at <= scraped_by + slack, (proxy_now, record.scraped_at, scraped_by)
         (view,) = proxy.fleet.candidates([url("a")], proxy_now + 0.1)
         assert view.waiting == 1 + 1  # the pod's own 1, and the dispatch: the newer scrape came within its lag
         await scraper.aclose()
