@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The plugin's own decision time for several commits, in turn, in one sitting (machines differ by 1.5x between
 # sittings: only figures from one run compare). Usage: bench-tools/side_by_side.sh ROUNDS REV [REV ...]
-# e.g. bench-tools/side_by_side.sh 3 62c1428 HEAD   (62c1428: the code before issue 17)
+# e.g. bench-tools/side_by_side.sh 3 62c1428 HEAD   (62c1428: the code before costs were learned per pod)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=$1; shift

@@ -1,4 +1,4 @@
-"""The benchmarks that would have caught issue 17, small: fast mode, seeded, a few seconds.
+"""The benchmarks that catch a decision which serves one prompt shape at the others' cost, small: fast mode, seeded, a few seconds.
 
 Mixed LoRA traffic (long unseen prompts, instructions, questions, base-model chats) and a replica that
 slows to half speed mid-run: what the one decision is for, measured against the previous default.

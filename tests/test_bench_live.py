@@ -40,8 +40,8 @@ def test_fast_bench_prints_every_strategy(tmp_path):
 
 
 def test_fast_bench_applies_set_to_the_plugins_rules(tmp_path):
-    """`--set` reaches the plugin's rules in fast mode, as it reaches the proxies in live mode (fast mode ignored
-    it until stop 37), for the LoRA and the open-loop scenarios alike; a bad value stops the run, named."""
+    """`--set` reaches the plugin's rules in fast mode, as it reaches the proxies in live mode (fast mode once
+    ignored it), for the LoRA and the open-loop scenarios alike; a bad value stops the run, named."""
     def row(scenario: list[str], *settings: str) -> tuple[str, dict]:
         path = tmp_path / "s.json"
         stdout = run(["bench", *scenario, "--mode", "fast", "--strategies", "lora-affinity", "--json", str(path),

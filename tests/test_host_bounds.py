@@ -1,4 +1,4 @@
-"""What the plugin reads from pods, peers and callers is bounded, and one bad refresh stops nothing (issue 18)."""
+"""What the plugin reads from pods, peers and callers is bounded, and one bad refresh stops nothing."""
 
 from __future__ import annotations
 

@@ -319,7 +319,7 @@ def test_two_system_prompts_that_differ_only_in_the_middle_keep_their_own_chains
     assert len(chains) == 2
 
 
-# --- one decision: the adapter rules hold for every prompt (issue 17) ---------------------------------
+# --- one decision: the adapter rules hold for every prompt -----------------------------------------------
 
 
 def test_a_long_unseen_prompt_for_a_running_adapter_stays_with_its_adapter():
