@@ -1,7 +1,7 @@
 """The proxy's fleet view: dispatches since the scrape, staleness, residency of idle pods."""
 
 from lora_affinity_plugin.fleet import FleetView
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
 

@@ -12,7 +12,7 @@ import litellm
 from lora_affinity_plugin import follower as follower_module
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.follower import Follower, check_redis_version
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord, pod_key
 from lora_affinity_plugin.strategy import _NAMES_CACHED, LoraAffinityStrategy

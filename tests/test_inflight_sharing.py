@@ -7,7 +7,7 @@ import pytest
 
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.follower import Follower
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord, pod_key
 

@@ -19,13 +19,14 @@ from page_server import serve_pages
 from lora_affinity_plugin import follower as follower_mod
 from lora_affinity_plugin import scraper as scraper_mod
 from lora_affinity_plugin.clock import RedisClock
-from lora_affinity_plugin.cost import PodRates
+from lora_affinity_plugin.podstate import PodRates
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.follower import Follower
 from lora_affinity_plugin.parsing import MetricsPageError, parse_metrics
 from lora_affinity_plugin.pods import discover_pods, pod_marks, token_pods
 from lora_affinity_plugin.prefixes import prompt_prefix
-from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
+from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.scraper import Scraper
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import FORMAT, PodRecord, pod_key, read_records

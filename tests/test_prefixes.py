@@ -23,12 +23,8 @@ from lora_affinity_plugin.prefixes import (
     render_prompt,
     request_salt,
 )
-from lora_affinity_plugin.scheduling import (
-    Candidate,
-    PodMetrics,
-    RouteRequest,
-    choose_pod,
-)
+from lora_affinity_plugin.podstate import PodMetrics
+from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
 
@@ -395,7 +391,7 @@ def test_a_chats_next_turn_stays_with_the_holder_of_its_history_beyond_the_load_
     decision = choose_pod([history, idle], turn, S, random.Random(1))
     assert (decision.pod, decision.branch) == ("a", "prefix")
     trace = choose_pod([history, idle], turn, S, random.Random(1), explain=True).trace
-    assert ("least_load", ("b", "a")) in trace  # the band alone would have kept only the idle pod
+    assert ("least_load", ("b", "a")) in [(rule, out) for rule, out, _ in trace]  # the band alone would have kept only the idle pod
     slow = replace(history, slowness=2.0)  # a slower pod recomputes nothing faster: the band stands
     assert choose_pod([slow, idle], turn, S, random.Random(1)).pod == "b"
     far = pod("a", waiting=3, running=S.prefix_queue_margin, adapters={"sql"})  # a queue beyond the margin

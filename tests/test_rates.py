@@ -5,10 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from lora_affinity_plugin.cost import DEFAULT_RATES, PodRates
+from lora_affinity_plugin.podstate import DEFAULT_RATES, PodRates
 from lora_affinity_plugin.parsing import parse_metrics
-from lora_affinity_plugin.rates import PodCounters, RateTracker, decode_load
-from lora_affinity_plugin.scheduling import Candidate, PodMetrics, RouteRequest, choose_pod
+from lora_affinity_plugin.rates import RateTracker, decode_load
+from lora_affinity_plugin.podstate import PodCounters
+from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_lab.sim.engine import EngineConfig, ReplicaEngine, Sequence
 from lora_affinity_plugin.store import PodRecord

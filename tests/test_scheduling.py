@@ -5,15 +5,8 @@ from collections import Counter
 
 import pytest
 
-from lora_affinity_plugin.scheduling import (
-    Candidate,
-    NoCapacity,
-    RouteRequest,
-    Shed,
-    choose_pod,
-    least_band_float,
-    least_band_int,
-)
+from lora_affinity_plugin.placement import least_band_float, least_band_int
+from lora_affinity_plugin.scheduling import Candidate, NoCapacity, RouteRequest, Shed, choose_pod
 from lora_affinity_plugin.settings import build_settings
 
 GIE = build_settings({"rule_set": "gie-v0.2"})
@@ -177,12 +170,12 @@ def test_max_lora_unknown_never_blocks_placement():
     pods = [pod("a", active={"p", "q", "r", "s", "t"}, max_lora=None), pod("b", active={"p", "q", "r", "s"})]
     decision = choose_pod(pods, RouteRequest("x"), GIE, random.Random(0), explain=True)
     assert decision.pod == "a"
-    assert ("lora_soft_affinity", ("a",)) in decision.trace
+    assert ("lora_soft_affinity", ("a",)) in [(rule, out) for rule, out, _ in decision.trace]
 
 
 def test_explain_records_every_rule():
     decision = choose_pod([pod("a", active={"x"}), pod("b")], RouteRequest("x"), GIE, random.Random(0), explain=True)
-    names = [name for name, _ in decision.trace]
+    names = [name for name, _, _ in decision.trace]
     assert names == ["low_queue", "lora_soft_affinity", "least_queue", "least_kv"]
     assert decision.trace[1][1] == ("a",)
 
@@ -206,7 +199,7 @@ def test_a_view_with_dispatches_keeps_every_other_field_of_the_pod():
     """`Candidate.with_dispatches` is built field by field (for speed): a field added later must not be dropped."""
     from dataclasses import fields
 
-    from lora_affinity_plugin.cost import PodRates
+    from lora_affinity_plugin.podstate import PodRates
 
     base = Candidate("a", 2, 3, 0.4, frozenset({"x"}), frozenset({"x", "y"}), max_lora=4, reported_waiting=2,
                      rates=PodRates(prefill_factor=2.0), slowness=2.0, kv_free_tokens=1000)
@@ -218,15 +211,15 @@ def test_a_view_with_dispatches_keeps_every_other_field_of_the_pod():
     assert base.with_dispatches(1, set()).active_adapters is base.active_adapters
 
 
-def test_every_filter_the_rules_apply_can_be_disabled_by_name():
-    """`disabled_rules` names the filters `_Run.apply` records; one the settings refuse could never be switched off."""
-    import re
-    import typing
-    from pathlib import Path
+def test_every_rule_a_part_applies_can_be_disabled_by_name():
+    """`disabled_rules` takes every filter's and scorer's rule name, and refuses a name no part has."""
+    from lora_affinity_plugin.decision import PARTS
+    from lora_affinity_plugin.profiles import rule_names
+    from lora_affinity_plugin.settings import SettingsError
 
-    from lora_affinity_plugin import other_rule_sets, scheduling
-    from lora_affinity_plugin.settings import RuleName
-
-    applied = {name for module in (scheduling, other_rule_sets)
-               for name in re.findall(r'run\.apply\("([a-z_]+)"', Path(module.__file__).read_text())}
-    assert applied and applied <= set(typing.get_args(RuleName)), applied - set(typing.get_args(RuleName))
+    rules = {cls.rule for cls in PARTS.values() if cls.kind in ("filter", "scorer")}
+    assert {"low_queue", "least_load", "least_cost", "prefix_match", "dealt"} <= rules <= rule_names()
+    for rule in rules:
+        assert build_settings({"disabled_rules": [rule]}, environ={}).disabled_rules == [rule]
+    with pytest.raises(SettingsError, match=r"disabled_rules: 'lowest_queue' is not a rule; rules: .*low_queue"):
+        build_settings({"disabled_rules": ["lowest_queue"]}, environ={})

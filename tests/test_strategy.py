@@ -14,7 +14,7 @@ import pytest
 from lora_affinity_plugin import strategy as strategy_mod
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.proxy_callback import ProxyPlugin
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
 from lora_affinity_plugin.strategy import (

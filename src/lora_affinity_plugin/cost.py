@@ -15,19 +15,15 @@ requests already on that pod:
   prefix another pod already holds evicts about as much of someone else's cached work.
 
 The rates are each pod's own, learned from its histograms (`rates.py`); until enough is seen they
-are the defaults below, so an unknown pod is neither favoured nor shunned.
+are the defaults (`podstate.py`), so an unknown pod is neither favoured nor shunned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFILL_OVERHEAD_S = 0.05
-"""A prefill step's fixed cost at speed 1 (scheduling, sampling, the first token's decode)."""
-PREFILL_S_PER_TOKEN = 0.0002
-"""Prefill seconds per prompt token at speed 1 (a 7B model on one A100-class GPU: ~5k tokens/s)."""
-DECODE_STEP_S = 0.06
-"""A decode step (the time per output token) when nothing has been learned yet."""
+from .podstate import DECODE_STEP_S, PREFILL_S_PER_TOKEN, PodRates
+
 DECODE_S_PER_SEQ = 0.0004
 """What each running sequence adds to a decode step at speed 1 (sampling, scheduling)."""
 DECODE_S_PER_KV_TOKEN = 2.3e-6
@@ -38,38 +34,6 @@ ADAPTER_LOAD_S = 0.02
 """Moving an adapter from CPU memory into a GPU slot (vLLM: milliseconds)."""
 ADAPTER_STEP_SHARE = 0.005
 """What one more distinct adapter adds to a decode step, as a share of it (punica/SGMV kernels)."""
-MEAN_OUTPUT_TOKENS = 200.0
-"""Output tokens per request when the pod has not finished enough requests to say."""
-
-
-@dataclass(frozen=True, slots=True)
-class PodRates:
-    """A pod's speeds: what `rates.RateTracker` learned from its histograms, or the defaults."""
-
-    prefill_factor: float = 1.0
-    """Measured prefill time over what the defaults predict for the same requests: 2.0 is half speed."""
-    decode_step_s: float = DECODE_STEP_S
-    """Mean time per output token over the last scrapes (vLLM's inter-token latency)."""
-    queue_s_per_request: float = DECODE_STEP_S
-    """Seconds each waiting request held the ones behind it (mean queue time over mean queue length)."""
-    mean_output_tokens: float = MEAN_OUTPUT_TOKENS
-    learned: bool = False
-    """Whether any of these came from the pod (False: all defaults)."""
-    decode_factor: float = 1.0
-    """Measured decode steps over what the defaults predict at the batch and KV the pod ran
-    (`expected_step_s`): unlike the step itself it does not grow with the load, so pods compare by it."""
-
-    def prefill_s(self, tokens: float) -> float:
-        return self.prefill_factor * (PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * max(0.0, tokens))
-
-    def to_dict(self) -> dict[str, float | bool]:
-        return {"prefill_factor": round(self.prefill_factor, 4), "decode_step_s": round(self.decode_step_s, 5),
-                "queue_s_per_request": round(self.queue_s_per_request, 5),
-                "mean_output_tokens": round(self.mean_output_tokens, 1), "learned": self.learned,
-                "decode_factor": round(self.decode_factor, 4)}
-
-
-DEFAULT_RATES = PodRates()
 
 
 def expected_step_s(running: float, kv_tokens: float) -> float:

@@ -20,7 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-from .cost import DEFAULT_RATES, relative_slowness
+from .cost import relative_slowness
+from .podstate import DEFAULT_RATES
 from .inflight import Dispatch, InFlight, PeerShare
 from .prefix_index import PrefixIndex
 from .prefixes import instructions_blocks, is_later_turn, placement_key, prompt_prefix

@@ -26,6 +26,7 @@ from .inflight import prefix_stream_key, read_shared_tables
 from .lease import lease_key
 from .pods import discover_pods
 from .prefix_index import decode_entries
+from .profiles import BUILT_IN, STEP_KINDS, describe, part_names
 from .scheduling import SchedulingError, choose_pod
 from .settings import Settings, SettingsError, load_config, settings_from_config
 from .store import PodRecord, decode_records, pod_key
@@ -71,6 +72,12 @@ def add_ops_arguments(sub) -> None:
     explain.add_argument("--messages", metavar="FILE", help="a JSON file of chat messages (instead of --prompt)")
     explain.add_argument("--cache-salt", help="the request's cache_salt")
     explain.set_defaults(func=run_explain)
+
+    rules = sub.add_parser("rules", help="the rule sets (built-in and the config's profiles) and their parts")
+    rules.add_argument("--config", help="the proxy's config.yaml (its profiles and rule_modules)")
+    rules.add_argument("--json", action="store_true", help="machine-readable output")
+    rules.add_argument("name", nargs="?", help="one rule set, step by step")
+    rules.set_defaults(func=run_rules)
 
 
 def _context(args: argparse.Namespace) -> tuple[Settings, dict, redis.Redis]:
@@ -277,8 +284,8 @@ def run_explain(args: argparse.Namespace) -> int:
         _print(args, data, f"no pick: HTTP {exc.status_code}: {exc}")
         return 0
     steps, before = [], list(data["candidates"])
-    for name, out in decision.trace:
-        steps.append({"rule": name, "in": before, "out": list(out)})
+    for name, out, values in decision.trace:
+        steps.append({"rule": name, "in": before, "out": list(out), **({"values": values} if values else {})})
         before = list(out)
     data.update({"pick": decision.pod, "branch": decision.branch, "rules": steps,
                  "costs": {pod: {"total_s": round(c.total_s, 4), "wait_s": round(c.wait_s, 4),
@@ -301,9 +308,32 @@ def run_explain(args: argparse.Namespace) -> int:
         lines += [f"    {pod}: {parts.describe()}" + ("" if view[pod].rates.learned else " (default rates)")
                   + (f" (slowness {view[pod].slowness:.2f} against the fleet)" if view[pod].slowness != 1.0 else "")
                   for pod, parts in decision.costs.items()]
-    lines += [f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}" for s in steps]
+    for s in steps:
+        lines.append(f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}")
+        if s.get("values"):  # a scorer: each candidate's value, lower is better
+            lines.append("  " + " " * 18 + " " + ", ".join(f"{pod} {value:g}" for pod, value in s["values"].items()))
     lines.append(f"  pick: {decision.pod} (branch {decision.branch})")
     _print(args, data, "\n".join(lines))
+    return 0
+
+
+def run_rules(args: argparse.Namespace) -> int:
+    """The rule sets the settings know, each as its steps; or the parts a profile may list."""
+    config = load_config(args.config) if args.config else {}
+    settings = settings_from_config(config)
+    sets = {**BUILT_IN, **settings.built_profiles()}
+    if args.name:
+        if args.name not in sets:
+            print(f"no rule set {args.name!r}; choose from: {', '.join(sets)}", file=sys.stderr)
+            return 2
+        lines = describe(sets[args.name])
+        _print(args, {"rule_set": args.name, "steps": lines}, f"{args.name}:\n" + "\n".join("  " + ln for ln in lines))
+        return 0
+    parts = {kind: part_names(kind) for kind in STEP_KINDS}
+    text = [f"rule sets: {', '.join(sets)} (in force: {settings.rule_set})",
+            "parts a profile may list (lora_affinity.profiles):"]
+    text += [f"  {kind}s: {', '.join(names)}" for kind, names in parts.items()]
+    _print(args, {"rule_sets": list(sets), "rule_set": settings.rule_set, "parts": parts}, "\n".join(text))
     return 0
 
 

@@ -10,8 +10,8 @@ import math
 import re
 
 from .engines import ENGINES, EngineProfile
-from .rates import PodCounters
-from .scheduling import PodMetrics
+from .podstate import PodCounters
+from .podstate import PodMetrics
 
 _LORA_INFO = "vllm:lora_requests_info"
 _LORA_LOADED = "vllm:lora_adapter_loaded"

@@ -11,12 +11,9 @@ into each pod's record, so every gateway chooses by the same numbers. Pure: no I
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .cost import DEFAULT_RATES, PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN, PodRates, expected_step_s
-
-if TYPE_CHECKING:
-    from .scheduling import PodMetrics
+from .cost import expected_step_s
+from .podstate import DEFAULT_RATES, PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN, PodCounters, PodMetrics, PodRates
 
 SMOOTHING = 0.5
 """Weight of the newest interval in the moving average: a pod that slows is followed within a few scrapes."""
@@ -24,25 +21,6 @@ MIN_REQUESTS = 1
 """Requests an interval needs before its prefill and queue figures count."""
 MIN_TOKENS = 20
 """Output tokens the decode figures need: a lightly loaded pod's intervals are pooled until they add up."""
-
-
-@dataclass(frozen=True, slots=True)
-class PodCounters:
-    """Cumulative sums and counts from one page (`parsing.parse_metrics`); deltas make the rates."""
-
-    prefill_time_sum: float = 0.0
-    prefill_time_count: float = 0.0
-    queue_time_sum: float = 0.0
-    queue_time_count: float = 0.0
-    ttft_sum: float = 0.0
-    ttft_count: float = 0.0
-    itl_sum: float = 0.0
-    itl_count: float = 0.0
-    prompt_tokens: float = 0.0
-    prefix_hits: float = 0.0
-    """Prompt tokens found in the prefix cache (not computed)."""
-    generation_tokens: float = 0.0
-    requests_finished: float = 0.0
 
 
 @dataclass(slots=True)
@@ -160,9 +138,8 @@ def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, inte
         rates.decode_factor)
     if not changed:
         return rates
-    return PodRates(max(0.05, min(prefill_factor, 100.0)), max(1e-4, min(step, 10.0)),
-                    max(1e-4, min(per_queued, 60.0)), output, learned=True,
-                    decode_factor=max(0.01, min(decode_factor, 100.0)))
+    return PodRates.bounded(True, prefill_factor=prefill_factor, decode_step_s=step, queue_s_per_request=per_queued,
+                            mean_output_tokens=output, decode_factor=decode_factor)
 
 
 def _smooth(old: float, new: float, measured: set[str], rate: str) -> float:

@@ -37,7 +37,7 @@ from .metrics import (
 from .parsing import MetricsPageError, parse_metrics
 from .pods import discover_pods, pod_marks, token_pods
 from .rates import RateTracker, decode_load
-from .scheduling import PodMetrics
+from .podstate import PodMetrics
 from .settings import Settings, SettingsError
 from .store import PodRecord, connect, decode_records, pod_key
 

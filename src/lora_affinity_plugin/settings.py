@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -26,10 +27,6 @@ from pydantic import (
 from .connection import SCHEMES, parse_redis_url
 
 ENV_PREFIX = "LORA_AFFINITY_"
-RuleSet = Literal["lora-affinity", "lora-affinity-v1", "gie-v0.2", "llmd-prefix", "sglang-cache-aware"]
-RuleName = Literal["low_queue", "lora_soft_affinity", "least_queue", "low_cost_lora", "least_kv", "least_load",
-                   "adapter_active", "resident", "free_slot", "fewest_adapters", "prefix_match",
-                   "fewest_prefixes", "roomy", "dealt", "least_cost", "fastest", "admits_now"]
 # Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
 GROUP_SETTINGS = ("queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
                   "rule_set", "spill_queue_margin", "cost_band_ms", "cost_band_ratio", "band_width", "disabled_rules", "shedding",
@@ -91,10 +88,16 @@ class Settings(BaseModel):
     queue_threshold_critical: int = Field(5, ge=0)
     """Sheddable requests: only pods with at most this many waiting requests (else 429)."""
 
-    # Which rule tree runs, and our additions to it.
-    rule_set: RuleSet = "lora-affinity"
-    """The rule tree: ours, `lora-affinity-v1` (the previous one), `gie-v0.2` (the endpoint picker's,
-    unchanged), or the peers' `llmd-prefix` and `sglang-cache-aware`, kept as references."""
+    # Which rule set runs, and our additions to it.
+    rule_set: str = "lora-affinity"
+    """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, `lora-affinity-v1` (the
+    previous one), `gie-v0.2` (the endpoint picker's, unchanged), the peers' `llmd-prefix` and
+    `sglang-cache-aware`, kept as references, or one of `profiles`."""
+    profiles: dict[str, list[str | dict[str, float]]] = Field(default_factory=dict)
+    """Your own rule sets: each a list of steps, a step being a part's name, a rule set's name (its steps) or a
+    `{scorer: weight}` map, e.g. `{mine: [low_queue, {least_load: 1, prefix_score: 2}, pick]}`."""
+    rule_modules: list[str] = Field(default_factory=list)
+    """Python modules to import before `profiles` are read: the parts they define become usable by name."""
     spill_queue_margin: int = Field(16, ge=0)
     """lora-affinity rules: spill an adapter to another pod once all its pods carry this many more
     requests than the least-loaded pod (a bigger batch is almost free; another adapter is not)."""
@@ -107,7 +110,7 @@ class Settings(BaseModel):
 
     band_width: float = Field(1.0, ge=0.0, le=100.0)
     """Width of the "least" bands in units of (max - min) / N: 1 is the endpoint picker's, 0 keeps only the minimum."""
-    disabled_rules: list[RuleName] = Field(default_factory=list)
+    disabled_rules: list[str] = Field(default_factory=list)
     """Filters to skip (each passes its input on); the order of the others is the rule set's. `dealt` is a
     choice, not a filter: disabled, gateways stop dealing adapters over the pods and place them by the other rules."""
     model_group_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -164,6 +167,8 @@ class Settings(BaseModel):
     tell by its latency where another caller's prompt is cached); `team`, its LiteLLM team's only (a key in no
     team: its own); `key`, its API key's only. A request's `cache_salt` always separates it too."""
 
+    _built_profiles: dict[str, Any] = PrivateAttr(default_factory=dict)
+
     @field_validator("prefix_isolation", mode="before")
     @classmethod
     def _isolation_off(cls, value: Any) -> Any:
@@ -197,8 +202,30 @@ class Settings(BaseModel):
             except ValidationError as exc:
                 first = exc.errors()[0]
                 where = ".".join(str(p) for p in first["loc"])
-                raise ValueError(f"model_group_overrides.{group}.{where}: {first['msg']}") from None
+                raise ValueError(f"model_group_overrides.{group}.{where}: {first['msg'].removeprefix('Value error, ')}"
+                                 ) from None
+        self._check_rules()
         return self
+
+    def _check_rules(self) -> None:
+        from .profiles import BUILT_IN, ProfileError, build_profiles, import_rule_modules, rule_names
+
+        try:
+            import_rule_modules(self.rule_modules)
+            built = build_profiles(self.profiles)
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from None
+        if self.rule_set not in BUILT_IN and self.rule_set not in built:
+            raise ValueError(f"rule_set: {self.rule_set!r} is not a rule set; choose from: "
+                             f"{', '.join([*BUILT_IN, *built])}")
+        unknown = sorted(set(self.disabled_rules) - rule_names())
+        if unknown:
+            raise ValueError(f"disabled_rules: {unknown[0]!r} is not a rule; rules: {', '.join(sorted(rule_names()))}")
+        self._built_profiles = built
+
+    def built_profiles(self) -> dict[str, Any]:
+        """`profiles` as parts (built once, when these settings were validated)."""
+        return self._built_profiles
 
     def for_group(self, model_group: str) -> "Settings":
         """These settings with the group's overrides applied (validated when the settings were)."""
@@ -214,7 +241,7 @@ class Settings(BaseModel):
 
 # Settings an operator may change at run time (`lora-affinity thresholds set`); the rest need a restart.
 RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
-                          "adapter_info_key", "metrics_bearer_token", "metrics_token_pods"})
+                          "adapter_info_key", "metrics_bearer_token", "metrics_token_pods", "rule_modules"})
 LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 
@@ -250,8 +277,13 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     for name, field in Settings.model_fields.items():
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None:
-            is_list = getattr(field.annotation, "__origin__", None) is list
-            out[name] = [part.strip() for part in raw.split(",") if part.strip()] if is_list else raw
+            origin = getattr(field.annotation, "__origin__", None)
+            if origin is list:
+                out[name] = [part.strip() for part in raw.split(",") if part.strip()]
+            elif origin is dict:  # a mapping (profiles, model_group_overrides) is written as YAML
+                out[name] = yaml.safe_load(raw)
+            else:
+                out[name] = raw
     return out
 
 

@@ -20,9 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
 from .connection import async_client
-from .cost import PodRates
-from .rates import PodCounters
-from .scheduling import PodMetrics
+from .podstate import RATE_BOUNDS, PodCounters, PodMetrics, PodRates
 from .settings import Settings
 
 
@@ -128,22 +126,14 @@ def _text(value: Any) -> str | None:
 
 
 def _rates(body: Any) -> PodRates | None:
-    """Rates from a record: bounded here too (records may come from any scraper); unreadable ones are
-    dropped (the pod is routed at the default rates), never the record."""
+    """Rates from a record, held within `RATE_BOUNDS` here too (records may come from any scraper); unreadable
+    ones are dropped (the pod is routed at the default rates), never the record."""
     if not isinstance(body, dict):
         return None
-
-    def bounded(name: str, low: float, high: float, default: float) -> float:
-        value = float(body.get(name, default))
-        return min(max(value, low), high) if value == value else default
-
     base = PodRates()
     try:
-        return PodRates(bounded("prefill_factor", 0.05, 100.0, base.prefill_factor),
-                        bounded("decode_step_s", 1e-4, 10.0, base.decode_step_s),
-                        bounded("queue_s_per_request", 1e-4, 60.0, base.queue_s_per_request),
-                        bounded("mean_output_tokens", 1.0, 1e6, base.mean_output_tokens), bool(body.get("learned")),
-                        bounded("decode_factor", 0.01, 100.0, base.decode_factor))
+        return PodRates.bounded(bool(body.get("learned")),
+                                **{name: float(body.get(name, getattr(base, name))) for name in RATE_BOUNDS})
     except (TypeError, ValueError):
         return None
 

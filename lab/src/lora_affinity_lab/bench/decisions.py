@@ -17,7 +17,7 @@ import litellm
 
 from lora_affinity_plugin.compat import model_list, register_strategy
 from lora_affinity_plugin.fleet import FleetView
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
 from lora_affinity_plugin.strategy import LoraAffinityStrategy

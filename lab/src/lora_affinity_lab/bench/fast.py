@@ -18,7 +18,7 @@ from lora_affinity_plugin.inflight import merge_shares
 from ..sim.arguments import parse_profiles
 from ..sim.engine import EngineConfig, ReplicaEngine, Sequence
 from ..sim.kv_cache import block_hashes, count_tokens, prompt_text
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from .policies import SHED, Policy, make_policy
 from .prefix_workloads import PrefixWorkload
 from .prompt_shapes import lora_prompt

@@ -13,7 +13,7 @@ import tracemalloc
 
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS, encode_entries
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord
 

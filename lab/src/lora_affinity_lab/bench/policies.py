@@ -15,7 +15,8 @@ from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.inflight import PeerShare
 from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS
 from lora_affinity_plugin.rates import RateTracker, decode_load
-from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, PodMetrics, RouteRequest, Shed, choose_pod
+from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, RouteRequest, Shed, choose_pod
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import Settings, SettingsError, build_settings
 from lora_affinity_plugin.store import PodRecord
 

@@ -25,7 +25,7 @@ from ..processes import (
     scratch_dir,
     wait_port,
 )
-from lora_affinity_plugin.scheduling import PodMetrics
+from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.scraper import Scraper
 from lora_affinity_plugin.settings import build_settings
 from .parse import full_parse, reference_page

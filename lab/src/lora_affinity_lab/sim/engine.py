@@ -340,7 +340,7 @@ class ReplicaEngine:
     # --- observation -------------------------------------------------------------------------
     def snapshot(self):
         """The pod's state as vLLM's metrics would show it."""
-        from lora_affinity_plugin.scheduling import PodMetrics
+        from lora_affinity_plugin.podstate import PodMetrics
 
         return PodMetrics(
             num_requests_waiting=len(self.waiting),
@@ -357,7 +357,7 @@ class ReplicaEngine:
 
     def counters(self):
         """The histograms' sums and counts and the token counters, as a scraper reads them."""
-        from lora_affinity_plugin.rates import PodCounters
+        from lora_affinity_plugin.podstate import PodCounters
 
         return PodCounters(self.prefill_time.sum, self.prefill_time.count, self.queue_time.sum, self.queue_time.count,
                            self.ttft.sum, self.ttft.count, self.itl.sum, self.itl.count, self.prompt_tokens_total,

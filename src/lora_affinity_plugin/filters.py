@@ -1,0 +1,173 @@
+"""Filters: each keeps some pods, failing open (`decision.Filter`): ours, and the endpoint picker's v0.2 ones."""
+
+from __future__ import annotations
+
+from .decision import Candidate, DecisionRun, Filter
+from .placement import admits_now, fastest, least_band_int, not_far_busier, tokens_per_block
+
+
+class LowQueue(Filter):
+    """Pods with fewer waiting requests than `queueing_threshold_lora` (the endpoint picker's): a queue costs
+    every request in it."""
+
+    name = "low_queue"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        threshold = run.settings.queueing_threshold_lora
+        return [p for p in pods if p.waiting < threshold]
+
+
+class Roomy(Filter):
+    """Pods not far busier than the least busy one (`placement.not_far_busier`)."""
+
+    name = "roomy"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return not_far_busier(pods, run.settings)
+
+
+class Fastest(Filter):
+    """The fastest pods: a prompt no pod holds is computed whole, so speed comes before cache room."""
+
+    name = "fastest"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return fastest(pods)
+
+
+class PrefixMatch(Filter):
+    """The pods holding the prompt's longest prefix (`placement.warm_pods`, found by `conditions.PrefixHeld`)."""
+
+    name = "prefix_match"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return run.warm
+
+
+class AdapterActive(Filter):
+    """The adapter's holders the adapter rules allow (`conditions.AdapterSurvey`): running it and not far busier
+    than the fleet. vLLM's `--max-loras` skip rule makes a wrong placement cost whole generations."""
+
+    name = "adapter_active"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return run.roomy
+
+
+class AdapterRunning(Filter):
+    """The pods running the request's adapter."""
+
+    name = "adapter_running"
+    rule = "adapter_active"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter in p.active_adapters]
+
+
+class AdapterElsewhere(Filter):
+    """Placing an adapter: the pods not running it yet (all of them, when every pod runs it)."""
+
+    name = "adapter_elsewhere"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter not in p.active_adapters]
+
+
+class AdmitsNow(Filter):
+    """The fastest of the pods that admit the whole prompt at the next step (`placement.admits_now`): the load
+    band alone weighs a queue of 6 behind a full cache like 6 running requests."""
+
+    name = "admits_now"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        tokens = run.request.prefix_blocks * tokens_per_block(run.settings)
+        return fastest([p for p in pods if admits_now(p, tokens)])
+
+
+class LeastLoadOrLongestMatch(Filter):
+    """The least-load band, plus the pods holding the prompt's longest cached prefix when none in the band holds
+    as much (a chat's history is on one pod: a load band must not send its next turn to recompute it elsewhere),
+    unless slower than the band's fastest. The prefix rules' own queue margin judges them next."""
+
+    name = "least_load_or_longest_match"
+    rule = "least_load"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        edge = least_band_int([p.load for p in pods], run.width)
+        banded = [p for p in pods if p.load <= edge]
+        settings, matches = run.settings, run.request.prefix_matches
+        if not matches or max(matches.values()) < settings.prefix_min_blocks:  # (no match long enough anywhere)
+            return banded
+        best = max(matches.get(p.key, 0) for p in pods)
+        if best < settings.prefix_min_blocks or any(matches.get(p.key, 0) == best for p in banded):
+            return banded
+        least_slowness = min(p.slowness for p in banded)  # a slower pod recomputes the rest slower: it must win the band
+        return banded + [p for p in pods if matches.get(p.key, 0) == best and p.slowness <= least_slowness]
+
+
+class Dealt(Filter):
+    """The pod the served adapters, dealt over the pods in order, give this adapter (found by
+    `conditions.DealtWhileSlotsScarce` or `conditions.DealtForPlacement`): peers dealing alike agree without talking."""
+
+    name = "dealt"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return run.dealt
+
+
+class Resident(Filter):
+    """Pods that still hold the adapter (loading it back costs nothing there)."""
+
+    name = "resident"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter in p.resident_adapters]
+
+
+class FreeSlot(Filter):
+    """Pods with a free LoRA slot (another adapter would wait for a batch to drain)."""
+
+    name = "free_slot"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return [p for p in pods if p.has_free_slot()]
+
+
+class RoomyForPlacement(Filter):
+    """With several gateways: the pods within `spill_queue_margin` of the least load, whose rendezvous rank then
+    chooses (peers place at the same moment from the same snapshot: exact balancing on partial views disagrees)."""
+
+    name = "roomy_for_placement"
+    rule = "roomy"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        edge = min(p.load for p in pods) + run.settings.spill_queue_margin
+        return [p for p in pods if p.load <= edge]
+
+
+class LoraSoftAffinity(Filter):
+    """gie-v0.2: the pods running the adapter with probability `lora_affinity_threshold`, else those with a free
+    slot."""
+
+    name = "lora_soft_affinity"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        affinity = [p for p in pods if adapter in p.active_adapters]
+        available = [p for p in pods if adapter not in p.active_adapters and p.has_free_slot()]
+        if affinity and available:
+            return affinity if run.rng.random() < run.settings.lora_affinity_threshold else available
+        return affinity or available
+
+
+class LowCostLora(Filter):
+    """gie-v0.2 over the queue threshold: pods running the adapter or with a free slot."""
+
+    name = "low_cost_lora"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter in p.active_adapters or p.has_free_slot()]

@@ -1,0 +1,159 @@
+"""Rule sets as profiles of parts: a new rule is one class plus a settings line; bad profiles are refused by
+name; the house has no import circle and no module reaches into another's private names."""
+
+import ast
+import random
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lora_affinity_plugin.decision import PARTS, Scorer
+from lora_affinity_plugin.live_settings import apply_live
+from lora_affinity_plugin.profiles import BUILT_IN, describe
+from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
+from lora_affinity_plugin.settings import SettingsError, build_settings
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lora_affinity_plugin"
+
+
+def pod(key, waiting=0, running=0, kv=0.0, active=()):
+    return Candidate(key, waiting, running, kv, frozenset(active), frozenset(), 4)
+
+
+class FewestRunning(Scorer):
+    """A toy rule: the fewest running requests, exactly (a test's own part: defining it registers it)."""
+
+    name = "toy_fewest_running"
+
+    def costs(self, pods, run):
+        return [p.running for p in pods]
+
+
+def test_a_new_rule_is_one_class_and_a_settings_line():
+    settings = build_settings({"rule_set": "toy", "profiles": {"toy": ["low_queue", "toy_fewest_running", "pick"]}},
+                              environ={})
+    pods = [pod("a", running=5), pod("b", running=2), pod("c", running=3), pod("d", waiting=200, running=0)]
+    decisions = [choose_pod(pods, RouteRequest("x"), settings, random.Random(seed)) for seed in range(20)]
+    assert {d.pod for d in decisions} == {"b"}  # d runs least but its queue is over the low-queue threshold
+    explained = choose_pod(pods, RouteRequest("x"), settings, random.Random(0), explain=True)
+    steps = {rule: (out, values) for rule, out, values in explained.trace}
+    assert steps["low_queue"][0] == ("a", "b", "c")
+    assert steps["toy_fewest_running"] == (("b",), {"a": 5, "b": 2, "c": 3})  # each candidate's score, as explained
+
+
+def test_weighted_scorers_and_a_built_in_rule_set_as_steps():
+    """`{scorer: weight}` sums scorers; a rule set's name inlines its steps after a filter of yours."""
+    weighted = build_settings({"rule_set": "w", "profiles": {"w": [{"toy_fewest_running": 1, "least_kv": 10}]}},
+                              environ={})
+    pods = [pod("a", running=1, kv=0.9), pod("b", running=3, kv=0.1)]
+    assert choose_pod(pods, RouteRequest("x"), weighted, random.Random(0)).pod == "b"  # 1 + 9 against 3 + 1
+    ours = build_settings({}, environ={})
+    wrapped = build_settings({"rule_set": "wrapped", "profiles": {"wrapped": ["low_queue", "lora-affinity"]}},
+                             environ={})
+    rng = random.Random(3)
+    for _ in range(50):
+        pods = [pod(k, waiting=rng.randrange(4), running=rng.randrange(20), kv=rng.random(),
+                    active=rng.sample(["x", "y", "z"], rng.randrange(3))) for k in "abcdef"]
+        request = RouteRequest(rng.choice(["x", "y", None]), placement_key=rng.randrange(1 << 30))
+        assert choose_pod(pods, request, wrapped, random.Random(1)) .pod == choose_pod(pods, request, ours,
+                                                                                      random.Random(1)).pod
+
+
+@pytest.mark.parametrize("profiles, fragment", [
+    ({"p": ["low_queue", "lowest_queue"]}, "profiles.p[1]: unknown part or profile 'lowest_queue'; parts: "),
+    ({"p": ["base_model"]}, "profiles.p[0]: 'base_model' is a condition"),
+    ({"p": [{"low_queue": 1}]}, "profiles.p[0]: 'low_queue' is a filter; a weighted step takes scorers"),
+    ({"p": ["q"], "q": ["p"]}, "includes itself (p -> q -> p)"),
+    ({"gie-v0.2": ["pick"]}, "profiles.gie-v0.2: 'gie-v0.2' is a built-in rule set"),
+    ({"p": []}, "profiles.p: a non-empty list of steps"),
+])
+def test_a_bad_profile_is_refused_with_its_name_and_step(profiles, fragment):
+    with pytest.raises(SettingsError) as err:
+        build_settings({"profiles": profiles}, environ={})
+    assert fragment in str(err.value)
+
+
+def test_an_unknown_rule_set_names_the_choices_including_your_profiles():
+    with pytest.raises(SettingsError, match="rule_set: 'mine' is not a rule set; choose from: .*sglang-cache-aware, other"):
+        build_settings({"rule_set": "mine", "profiles": {"other": ["pick"]}}, environ={})
+    with pytest.raises(SettingsError, match=r"model_group_overrides.batch.*rule_set: 'nope' is not a rule set"):
+        build_settings({"model_group_overrides": {"batch": {"rule_set": "nope"}}}, environ={})
+
+
+def test_a_profile_is_set_live_and_a_bad_one_leaves_the_last_good_in_force():
+    base = build_settings({}, environ={})
+    live = apply_live(base, {"profiles": {"toy": ["toy_fewest_running", "pick"]}, "rule_set": "toy"})
+    pods = [pod("a", running=4), pod("b", running=1)]
+    assert live.rule_set == "toy" and choose_pod(pods, RouteRequest("x"), live, random.Random(0)).pod == "b"
+    with pytest.raises(SettingsError, match="unknown part or profile 'nope'"):
+        apply_live(live, {"profiles": {"toy": ["nope"]}})
+    assert live.built_profiles()["toy"]  # (settings are immutable: the good copy stands)
+
+
+def test_rule_modules_are_imported_so_their_parts_can_be_named(tmp_path, monkeypatch):
+    (tmp_path / "my_rules.py").write_text(textwrap.dedent('''
+        from lora_affinity_plugin.decision import Filter
+
+        class OnlyEven(Filter):
+            """Pods whose key ends in an even digit."""
+            name = "toy_only_even"
+
+            def keep(self, pods, run):
+                return [p for p in pods if int(p.key[-1]) % 2 == 0]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = build_settings({"rule_modules": ["my_rules"], "rule_set": "even",
+                               "profiles": {"even": ["toy_only_even", "least_load", "pick"]}}, environ={})
+    assert choose_pod([pod("p1"), pod("p2", running=9)], RouteRequest("x"), settings, random.Random(0)).pod == "p2"
+    with pytest.raises(SettingsError, match="rule_modules: cannot import 'no_such_rules': ModuleNotFoundError"):
+        build_settings({"rule_modules": ["no_such_rules"]}, environ={})
+    PARTS.pop("toy_only_even")
+    sys.modules.pop("my_rules")
+
+
+def test_every_built_in_rule_set_is_described_part_by_part():
+    for name, steps in BUILT_IN.items():
+        lines = describe(steps)
+        assert lines and lines[-1].strip(), name
+    text = "\n".join(describe(BUILT_IN["lora-affinity"]))
+    assert "if base_model:" in text and "least_cost  [scorer]" in text and "pick_placement" in text
+
+
+def _plugin_imports(path: Path) -> tuple[set[str], list[str]]:
+    """The plugin modules `path` imports when it is imported (not inside functions or TYPE_CHECKING), and every
+    private name it imports from another module of the plugin."""
+    tree = ast.parse(path.read_text())
+    modules, private = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            private += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            modules.add(node.module.split(".")[0])
+    return modules, private
+
+
+def test_the_house_has_no_import_circle_and_no_private_imports():
+    graph, private = {}, []
+    for path in PACKAGE.glob("*.py"):
+        graph[path.stem], found = _plugin_imports(path)
+        private += [f"{path.stem}: {name}" for name in found]
+    assert not private, private
+    done, visiting = set(), []
+
+    def visit(module):
+        if module in done:
+            return
+        assert module not in visiting, " -> ".join([*visiting[visiting.index(module):], module])
+        visiting.append(module)
+        for dependency in graph.get(module, ()):
+            visit(dependency)
+        visiting.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+    # The data the parts read sits below the rules, and the rules below the adapters.
+    assert not graph["podstate"] and "decision" not in graph["rates"] and "scheduling" not in graph["store"]
