@@ -46,3 +46,24 @@ def run_cli(args: list[str], timeout: float = 300) -> str:
     out = subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=child_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
+
+
+DECISION_LINE = ") among ["
+"""What the strategy logs at DEBUG for every decision of its rules (LiteLLM's own pick logs none)."""
+
+
+def debug_env() -> dict[str, str]:
+    """A proxy's environment with the plugin's DEBUG log, whose decision lines `Decisions` counts."""
+    return child_env(LORA_AFFINITY_LOG_LEVEL="DEBUG")
+
+
+class Decisions:
+    """Counts the plugin's decisions in proxies' logs since it was made: a routing test checks that the rules
+    decided (no request fell back to LiteLLM's pick), so it cannot pass on a fallback that happened to agree."""
+
+    def __init__(self, *procs: Proc) -> None:
+        self.procs = procs
+        self.before = [proc.log().count(DECISION_LINE) for proc in procs]
+
+    def count(self) -> int:
+        return sum(proc.log().count(DECISION_LINE) - b for proc, b in zip(self.procs, self.before))

@@ -18,7 +18,9 @@ import pytest
 import yaml
 from procs import (
     MASTER_KEY,
+    Decisions,
     Proc,
+    debug_env,
     free_port,
     free_port_range,
     litellm_proxy,
@@ -49,10 +51,10 @@ def stack(tmp_path_factory):
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         procs.append(lora_affinity(["scrape", "--config", str(path)], tmp, "scraper"))
-        procs.append(litellm_proxy(path, proxy_port, tmp))
+        procs.append(litellm_proxy(path, proxy_port, tmp, env=debug_env()))
         time.sleep(0.5)
         yield {"proxy": f"http://127.0.0.1:{proxy_port}", "pods": [f"http://127.0.0.1:{p}" for p in pods],
-               "config": path}
+               "config": path, "proxy_proc": procs[-1]}
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -77,6 +79,7 @@ def _send(client: httpx.Client, stack, adapter: str) -> str:
 
 def test_each_adapter_sticks_to_one_pod_across_the_mixed_fleet(stack):
     served: dict[str, Counter] = defaultdict(Counter)
+    decisions = Decisions(stack["proxy_proc"])
     with httpx.Client(timeout=30) as client, ThreadPoolExecutor(3) as pool:
         # Three new adapters at once: each decision counts the ones before it (fewest adapters), so they
         # land on three pods, the SGLang one included.
@@ -89,3 +92,4 @@ def test_each_adapter_sticks_to_one_pod_across_the_mixed_fleet(stack):
     homes = {adapter: pods.most_common(1)[0] for adapter, pods in served.items()}
     assert all(count >= 10 for _, count in homes.values()), served  # of 12: affinity holds on either server
     assert {pod for pod, _ in homes.values()} == set(stack["pods"]), served
+    assert decisions.count() == 36  # every request a decision of the rules, none LiteLLM's pick

@@ -16,7 +16,9 @@ import pytest
 import yaml
 from procs import (
     MASTER_KEY,
+    Decisions,
     Proc,
+    debug_env,
     free_port,
     free_port_range,
     lora_affinity,
@@ -52,13 +54,14 @@ def stack(tmp_path_factory):
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(proxy_config(pods, redis_port)))
         procs.append(lora_affinity(["scrape", "--config", str(path)], tmp, "scraper"))
-        proxies = [start_litellm_proxy(path, port, tmp, f"proxy-{name}") for name, port in (("a", port_a), ("b", port_b))]
+        proxies = [start_litellm_proxy(path, port, tmp, f"proxy-{name}", env=debug_env())
+                   for name, port in (("a", port_a), ("b", port_b))]
         procs += proxies
         for proc, port in zip(proxies, (port_a, port_b)):
             wait_proxy(proc, port)
         time.sleep(0.5)
         yield {"a": f"http://127.0.0.1:{port_a}", "b": f"http://127.0.0.1:{port_b}",
-               "pods": [f"http://127.0.0.1:{p}" for p in pods], "config": path}
+               "pods": [f"http://127.0.0.1:{p}" for p in pods], "config": path, "proxies": proxies}
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -82,20 +85,24 @@ def hits(pod: str) -> float:
 def test_requests_sharing_a_long_system_prompt_land_on_one_pod_and_hit(stack):
     system = system_prompt("billing")
     before = {pod: hits(pod) for pod in stack["pods"]}
+    decisions = Decisions(*stack["proxies"])
     with httpx.Client(timeout=30) as client:
         served = [chat(client, stack["a"], "sql-lora", system, f"question {i}?") for i in range(6)]
     assert len(set(served)) == 1, served
+    assert decisions.count() == 6  # the rules decided each one, not LiteLLM's pick
     gained = hits(served[0]) - before[served[0]]
     assert gained >= 5 * 0.9 * len(system) / 3  # five repeats of the system prompt hit (3 bytes a simulated token)
 
 
 def test_a_second_proxy_follows_the_first_ones_entries(stack):
     system = system_prompt("travel")
+    decisions = Decisions(*stack["proxies"])
     with httpx.Client(timeout=30) as client:
         first = chat(client, stack["a"], "meta-llama/Llama-2-7b-hf", system, "where to?")
         time.sleep(0.6)  # a few refreshes of both proxies (100 ms)
         followers = [chat(client, stack["b"], "meta-llama/Llama-2-7b-hf", system, f"and then {i}?") for i in range(4)]
     assert set(followers) == {first}
+    assert decisions.count() == 5
 
 
 def test_a_far_busier_pod_holding_the_prefix_is_passed_over_and_explain_shows_the_match(stack):
@@ -129,8 +136,9 @@ def test_a_far_busier_pod_holding_the_prefix_is_passed_over_and_explain_shows_th
         assert costs[holder]["uncached_tokens"] < costs[explained["pick"]]["uncached_tokens"]
         assert costs[holder]["wait_s"] > costs[explained["pick"]]["wait_s"]
         assert explained["rates"][holder]["learned"]  # the scraper learned the busy pod's speeds from its histograms
+        decisions = Decisions(*stack["proxies"])
         elsewhere = chat(client, stack["a"], "tweet-summary", system, "snow?")
-    assert elsewhere != holder
+    assert elsewhere != holder and decisions.count() == 1
 
 
 def test_status_shows_each_pods_index_size(stack):

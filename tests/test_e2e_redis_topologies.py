@@ -23,8 +23,10 @@ import redis
 import yaml
 from procs import (
     MASTER_KEY,
+    Decisions,
     Proc,
     child_env,
+    debug_env,
     fake_pods,
     free_port,
     litellm_proxy,
@@ -76,8 +78,10 @@ def _stack(kind: str, tmp_path_factory):
             path = tmp / "config.yaml"
             path.write_text(yaml.safe_dump(config))
             procs.append(lora_affinity(["scrape", "--config", str(path)], tmp, "scraper"))
-            procs.append(litellm_proxy(path, proxy_port, tmp))
-            yield Stack(kind, topology, pods, proxy_port, path)
+            procs.append(litellm_proxy(path, proxy_port, tmp, env=debug_env()))
+            stack = Stack(kind, topology, pods, proxy_port, path)
+            stack.proxy_proc = procs[-1]
+            yield stack
         finally:
             for proc in reversed(procs):
                 proc.stop()
@@ -104,9 +108,11 @@ IDLE = {"running": 1, "waiting": 0, "kv": 0.2, "running_adapters": ["tweet-summa
 def test_requests_are_routed_by_metrics_read_through_the_topology(stack):
     stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]})
     time.sleep(0.8)
+    decisions = Decisions(stack.proxy_proc)
     responses = [stack.complete() for _ in range(6)]
     assert [r.status_code for r in responses] == [200] * 6, responses[0].text
     assert stack.served() == Counter({"B": 6, "A": 0})
+    assert decisions.count() == 6  # the rules decided every one (B by chance would be 1 in 64)
 
 
 def test_live_settings_status_and_shared_inflight_work(stack):
