@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 class Candidate:
     """A pod as the rules see it: scraped metrics plus what this gateway sent since the scrape.
 
-    Read-only by convention, not frozen: a frozen dataclass sets each field through `object.__setattr__`, which
-    made building one 2 µs slower, and a request builds one or two (`with_dispatches`)."""
+    Read-only by convention, not frozen: a frozen dataclass sets each field through `object.__setattr__`, and a
+    request builds one or two (`with_dispatches`) on the request path."""
 
     key: str
     waiting: int
@@ -59,7 +59,7 @@ class Candidate:
 
     def with_dispatches(self, queued: int, adapters: set[str]) -> Candidate:
         """This pod with `queued` more waiting requests and their `adapters` active (a view of the pod after
-        the dispatches no scrape has seen yet). Built directly: `dataclasses.replace` costs three times as
+        the dispatches no scrape has seen yet). Built directly: `dataclasses.replace` costs several times as
         much, and every request renews the view of the pod it went to."""
         return Candidate(key=self.key, waiting=self.waiting + queued, running=self.running,
                          kv_cache_usage=self.kv_cache_usage,
@@ -76,7 +76,7 @@ class Candidate:
 @dataclass(slots=True)
 class RouteRequest:
     """One request as the rules see it (`FleetView.route_request`). Read-only by convention, not frozen: one is built
-    for every request, and frozen would cost 2 µs more (see `Candidate`)."""
+    for every request, and frozen would cost more (see `Candidate`)."""
 
     adapter: str | None
     """None for a base-model request: the LoRA rules are skipped."""

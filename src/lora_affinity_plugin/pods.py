@@ -19,6 +19,8 @@ from functools import lru_cache
 from typing import Any, Iterable, Mapping
 from urllib.parse import urlsplit
 
+from .settings import env_reference
+
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -38,9 +40,9 @@ def normalize_api_base(api_base: str) -> str:
 
 
 def _resolve_env(value: Any) -> Any:
-    if isinstance(value, str) and value.startswith("os.environ/"):
-        return os.environ.get(value.removeprefix("os.environ/"))
-    return value
+    """A deployment's value with LiteLLM's `os.environ/NAME` resolved (unset: None, as LiteLLM reads it)."""
+    name = env_reference(value)
+    return value if name is None else os.environ.get(name)
 
 
 def deployment_pod(deployment: Mapping[str, Any]) -> str | None:

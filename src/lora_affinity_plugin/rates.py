@@ -143,9 +143,9 @@ def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, inte
 
 
 def _smooth(old: float, new: float, measured: set[str], rate: str) -> float:
-    """The moving average of `rate`; its first measurement stands alone. (Averaged with the default, a half-speed
-    pod's first decode figure read 1.45x, under the 1.5x that marks a pod slow, and it got its full share for
-    seconds more.)"""
+    """The moving average of `rate`; its first measurement stands alone: averaged with the default, a half-speed
+    pod's first figure would read under the ratio that marks a pod slow, and it would keep its full share until
+    the next one."""
     if rate not in measured:
         measured.add(rate)
         return new

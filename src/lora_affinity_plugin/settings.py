@@ -53,7 +53,8 @@ class Settings(BaseModel):
     scrape_interval_ms: int = Field(200, ge=10, le=60_000)
     """How often the scraper reads every `/metrics`, and the proxies refresh their view."""
     scrape_timeout_ms: int = Field(1_000, ge=10, le=60_000)
-    """Per-page fetch timeout."""
+    """Per-page fetch timeout; also the socket timeout of every Redis call the scraper and the proxies make (a
+    slow Redis makes the plugin fall back, never hold a request)."""
     max_page_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Bigger pages mark the pod as failing."""
     metrics_path: str = "/metrics"
@@ -147,9 +148,11 @@ class Settings(BaseModel):
     prefix_affinity: bool = True
     """Send a request to the pod that holds the longest prefix of its prompt, unless that pod is far busier."""
     prefix_queue_margin: int = Field(8, ge=0, le=10_000)
-    """A pod holding the prefix wins while its waiting requests exceed the least waiting pod's by at most this."""
+    """A pod holding the prompt's prefix stays eligible while its load (waiting plus running requests) is at most
+    this many above the least loaded pod's, or its reported queue at most one longer than the shortest; an
+    adapter's holder that holds the prefix stays eligible this far beyond `spill_queue_margin`."""
     prefix_queue_ratio: float = Field(3.0, ge=1.0, le=100.0)
-    """...or while they are at most this many times the least waiting pod's (under load every queue is long)."""
+    """...or while its load is at most this many times the least loaded pod's (under load every pod is busy)."""
     prefix_min_blocks: int = Field(2, ge=1, le=4096)
     """Matches shorter than this many blocks do not count (every chat shares its first few characters)."""
     prefix_block_chars: int = Field(256, ge=16, le=65_536)
@@ -261,10 +264,17 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{rest}{qsep}{query}"
 
 
-def _resolve_env_refs(value: Any, environ: dict[str, str]) -> Any:
-    """LiteLLM's `os.environ/NAME` form, so one config file serves both."""
+def env_reference(value: Any) -> str | None:
+    """The variable a value names in LiteLLM's `os.environ/NAME` form (None for any other value)."""
     if isinstance(value, str) and value.startswith("os.environ/"):
-        name = value.removeprefix("os.environ/")
+        return value.removeprefix("os.environ/")
+    return None
+
+
+def _resolve_env_refs(value: Any, environ: dict[str, str]) -> Any:
+    """LiteLLM's `os.environ/NAME` form, so one config file serves both; an unset variable is an error."""
+    name = env_reference(value)
+    if name is not None:
         if name not in environ:
             raise SettingsError(f"environment variable {name} is not set (referenced as {value!r})")
         return environ[name]
