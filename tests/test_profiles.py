@@ -157,3 +157,16 @@ def test_the_house_has_no_import_circle_and_no_private_imports():
         visit(module)
     # The data the parts read sits below the rules, and the rules below the adapters.
     assert not graph["podstate"] and "decision" not in graph["rates"] and "scheduling" not in graph["store"]
+
+
+def test_the_rules_command_lists_the_config_s_profiles_and_prints_one_step_by_step(tmp_path):
+    from procs import run_cli
+
+    config = tmp_path / "config.yaml"
+    config.write_text("lora_affinity:\n  rule_set: kv-first\n  profiles:\n"
+                      "    kv-first: [low_queue, {least_kv: 2, least_load: 1}, pick]\n")
+    listed = run_cli(["rules", "--config", str(config)])
+    assert "kv-first (in force: kv-first)" in listed and "scorers: " in listed and "least_cost" in listed
+    shown = run_cli(["rules", "kv-first", "--config", str(config)])
+    assert shown.splitlines() == ["kv-first:", "  low_queue  [filter]", "  {least_kv: 2, least_load: 1}  [scorer]",
+                                  "  pick  [picker]"]
