@@ -1,6 +1,6 @@
 """Fast mode guards the simulator's calibration and the rules' standing, side by side.
 
-Calibration (shared/docs/simulator-model.md): a per-connection random balancer lands near the seed's
+Calibration (docs/simulator.md): a per-connection random balancer lands near the seed's
 484 completed / 640 output tok/s, the seed's picker near 846 / 1127, before any tuning of our rules.
 """
 

@@ -1,4 +1,4 @@
-"""The metrics parser on every published page in shared/fixtures/vllm-metrics, and on bad pages."""
+"""The metrics parser on every published page in tests/fixtures/vllm-metrics, and on bad pages."""
 
 import math
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 from lora_affinity_plugin.scraper import MetricsPageError, parse_metrics
 
-# A verbatim copy of shared/fixtures/vllm-metrics (see its README.txt for each page's origin).
+# Real pages (tests/fixtures/vllm-metrics/README.txt gives each page's origin).
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-metrics"
 
 

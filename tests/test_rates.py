@@ -16,7 +16,7 @@ from lora_affinity_lab.sim.engine import EngineConfig, ReplicaEngine, Sequence
 from lora_affinity_plugin.store import PodRecord
 
 S = build_settings({}, environ={})
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm-metrics"  # a copy of shared/fixtures/vllm-metrics
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm-metrics"  # real pages (see its README.txt)
 
 
 def _drive(speed: float, seconds: float = 30.0, scrape_s: float = 0.2, concurrency: int = 20) -> PodRates:

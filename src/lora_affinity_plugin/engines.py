@@ -2,7 +2,7 @@
 
 The rules speak vLLM (PodMetrics); a profile maps another server's names onto them. Where a server
 names no adapters, the fleet's residency memory (what this plugin sent there) stands in.
-Names: shared/docs/scheduling-reference.md section 8.
+Names: each server's own metrics documentation (vLLM's `vllm:` families, SGLang's `sglang:`, trtllm-serve's).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``lora-affinity`` is the default; the others are kept so that every change is measured against them:
 ``lora-affinity-v1`` (the previous default), ``gie-v0.2`` (the Gateway API Inference Extension's endpoint
 picker, as published), and the peers' prefix-aware policies ``llmd-prefix`` and ``sglang-cache-aware``
-(shared/docs/scheduling-reference.md section 7). The settings' `profiles` add more, by the same names
+(as the llm-d and SGLang routers document them). The settings' `profiles` add more, by the same names
 (`build_profiles`): a list of part names, other profiles' names (their steps, inlined) and
 `{scorer: weight}` maps.
 """
@@ -164,7 +164,7 @@ GIE_V02: list[Part] = [
     ]),
 ]
 """Under the queue threshold: LoRA soft affinity, the least queue, the least KV use; over it: the least queue, a
-pod running the adapter or with a free slot, the least KV use (scheduling-reference.md)."""
+pod running the adapter or with a free slot, the least KV use (the Gateway API Inference Extension's v0.2 scheduler)."""
 
 LLMD_PREFIX: list[Part] = [Weighted({PrefixScore(): 2.0, KvScore(): 1.0, QueueScore(): 1.0, LoraScore(): 1.0}),
                            Pick("llmd")]

@@ -134,7 +134,7 @@ def _p90(r: Result) -> float:
 
 
 def goals_summary(results: list[Result]) -> str:
-    """The issue's goals, measured: at the rate where simple-shuffle's TTFT p90 first exceeds 1 s."""
+    """The KV-reuse goals, measured: at the rate where simple-shuffle's TTFT p90 first exceeds 1 s."""
     by = {(r.rate, r.strategy): r for r in results}
     rates = sorted({r.rate for r in results if r.rate is not None})
     shuffle_over = [rate for rate in rates if (rate, "simple-shuffle") in by and _p90(by[rate, "simple-shuffle"]) > TTFT_TARGET_S]

@@ -55,7 +55,7 @@ def _time(fn, text: str, rounds: int) -> list[float]:
 def run_parse(args: argparse.Namespace) -> int:
     path = reference_page()
     text = path.read_text()
-    full = lambda t: list(text_string_to_metric_families(t))  # noqa: E731  (the issue's "naive full parse")
+    full = lambda t: list(text_string_to_metric_families(t))  # noqa: E731  (a naive full parse, for comparison)
     ours_all, full_all = [], []
     for _ in range(5):  # interleaved rounds
         ours_all += _time(parse_metrics, text, 400)

@@ -1,6 +1,6 @@
 """One simulated vLLM replica with multi-LoRA: the model both the live servers and fast mode run.
 
-It follows shared/docs/simulator-model.md: a step is all prefill (first) or all decode; the
+It follows the model in docs/simulator.md: a step is all prefill (first) or all decode; the
 waiting queue is scanned first-come-first-served and a request whose adapter would be a
 (max_loras + 1)-th distinct adapter of the batch is skipped and keeps its place; KV blocks run
 out -> the newest running request is preempted and recomputed later; adapters live in a GPU LRU

@@ -1,4 +1,4 @@
-"""A replica's KV blocks with vLLM's automatic prefix caching (shared/docs/simulator-model.md).
+"""A replica's KV blocks with vLLM's automatic prefix caching (docs/simulator.md).
 
 A prompt's full blocks are named by chained hashes that cover the adapter and the `cache_salt`, so
 the same text under another adapter or salt never hits. Running requests share hit blocks by
