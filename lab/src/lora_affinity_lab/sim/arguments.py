@@ -41,6 +41,14 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replicas of different speeds and sizes: profiles separated by ';', each "
                              "KEY=VALUE,... of " + ", ".join(PROFILE_KEYS) + ", dealt to the replicas in turn, "
                              "e.g. 'speed=1;speed=0.5,kv_blocks=350' (half the replicas at half speed and cache)")
+    parser.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
+                        help="tokenize prompts with this Hugging Face tokenizer.json (default: 3 bytes a token)")
+    parser.add_argument("--kv-events-config", metavar="JSON",
+                        help="publish KV-cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": true, "
+                             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                             "\"tcp://*:6557\"}'; replica i adds i to each port")
+    parser.add_argument("--kv-events-layout", choices=["map", "array"], default="map",
+                        help="map: vLLM's current encoding; array: older releases'")
     parser.set_defaults(func=_run_sim)
 
 

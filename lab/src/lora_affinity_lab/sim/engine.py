@@ -17,7 +17,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockPool, block_hashes
+from .kv_cache import BlockPool, ByteTokenizer, Tokenizer
 
 
 @dataclass
@@ -129,6 +129,8 @@ class ReplicaEngine:
         self.gpu: OrderedDict[str, None] = OrderedDict()
         self.cpu: OrderedDict[str, None] = OrderedDict()
         self.pool = BlockPool(config.kv_blocks, config.prefix_caching)
+        self.tokenizer: Tokenizer = ByteTokenizer()
+        """How the replica splits prompts into tokens and blocks (the server sets a `tokenizer.json`'s)."""
         self._planned: tuple[str, list[Sequence]] | None = None
         self.step_disk_loads: list[str] = []
         """The adapters the planned step loads from disk (a measuring tool attributes them)."""
@@ -242,7 +244,8 @@ class ReplicaEngine:
             over_budget = admitted and tokens + computed > self.config.max_num_batched_tokens
             if over_budget or not self.pool.fits(seq.block_hashes[:hits], need - hits):
                 break
-            seq.held = self.pool.take(seq.block_hashes, hits, need - hits)
+            seq.held = self.pool.take(seq.block_hashes, hits, need - hits, self._prompt_tokens(seq), seq.adapter,
+                                      self.config.block_size, seq.salt)
             seq.blocks = need
             seq.cached_tokens = hits * self.config.block_size
             self.prefix_queries_total += seq.prompt_tokens
@@ -318,11 +321,24 @@ class ReplicaEngine:
         which resends the reply, hits them (the simulator's reply is "x " per token, as it answers)."""
         if not self.config.prefix_caching or seq.prompt_text is None:
             return ()
-        whole = block_hashes(seq.prompt_text + "x " * seq.generated, seq.adapter, seq.salt, self.config.block_size)
+        whole = self.tokenizer.reply_hashes(seq.prompt_text, "x " * seq.generated, seq.adapter, seq.salt,
+                                            self.config.block_size)
         return whole[len(seq.block_hashes):]
 
+    def _prompt_tokens(self, seq: Sequence):
+        """The token ids of the prompt's full blocks, computed only when KV events are recorded."""
+        if self.pool.events is None or seq.prompt_text is None:
+            return None
+        return lambda: self.tokenizer.block_tokens(seq.prompt_text, self.config.block_size)
+
     def _free(self, seq: Sequence, reply: tuple[int, ...] = ()) -> None:
-        self.pool.release(seq.held, seq.blocks, reply)
+        chain = None
+        if reply and self.pool.events is not None and seq.prompt_text is not None:
+            prompt, answer = seq.prompt_text, "x " * seq.generated
+            chain = (tuple(seq.block_hashes) + tuple(reply),
+                     lambda: self.tokenizer.block_tokens(prompt, self.config.block_size, answer), seq.adapter,
+                     self.config.block_size, seq.salt)
+        self.pool.release(seq.held, seq.blocks, reply, chain)
         seq.held = []
         seq.blocks = 0
         seq.cached_tokens = 0

@@ -25,7 +25,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from .arguments import parse_profiles
 from .engine import EngineConfig, ReplicaEngine, Sequence
-from .kv_cache import block_hashes, count_tokens, prompt_text
+from .kv_cache import FileTokenizer, prompt_text
+from .kv_publisher import KVEventPublisher, KVEventsConfig, run_forever
 from .metrics_page import render_metrics
 
 DISCONNECT_POLL_S = 0.05
@@ -93,6 +94,8 @@ class LiveReplica:
         self._t0 = time.monotonic()
         self.lora_history: list[tuple[float, str, str]] = []
         self.connections = ConnectionStats()
+        self.publisher: KVEventPublisher | None = None
+        """Where the engine's KV events go (`--kv-events-config`); None: not published."""
         self.lag_s = 0.0
         """Real seconds the simulated GPU lost because this process ran its steps late (a machine too slow for
         `--speed`): a benchmark whose replicas lag measures the machine, not the routing."""
@@ -117,11 +120,29 @@ class LiveReplica:
             step_end = max(step_end, now - 0.05) + duration_ms / 1000 / self.speed
             await asyncio.sleep(max(0.0, step_end - time.monotonic()))
             result = self.engine.finish_step((step_end - self._t0) * self.speed)
+            self.publish_events()
             for seq in result.tokens:
                 queue = self._streams.get(id(seq))
                 if queue is not None:
                     queue.put_nowait(seq.done)
             self._note_lora_state()
+
+    def publish_events(self) -> None:
+        events = self.engine.pool.events
+        if self.publisher is not None and events:
+            self.publisher.publish(events)
+            events.clear()
+
+    def restart(self) -> bool:
+        """A restarted server (when idle): its cache empty, its event sequence from 0 with AllBlocksCleared."""
+        if self.engine.running or self.engine.waiting:
+            return False
+        self.engine.pool.clear()
+        if self.engine.pool.events is not None:
+            self.engine.pool.events.clear()
+        if self.publisher is not None:
+            self.publisher.restart()
+        return True
 
     def _note_lora_state(self) -> None:
         """vLLM adds a lora_requests_info series per state change (value = timestamp)."""
@@ -190,13 +211,14 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
         if salt is not None and not isinstance(salt, str):
             return error(400, "cache_salt: Input should be a valid string")
         text = prompt_text(body)
-        prompt_tokens = count_tokens(text)
+        tokenizer = replica.engine.tokenizer
+        prompt_tokens = tokenizer.count(text)
         limit = replica.engine.config.max_model_len
         if prompt_tokens + max_tokens > limit:
             return error(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
                               f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
-        hashes = block_hashes(text, adapter, salt, replica.engine.config.block_size)
+        hashes = tokenizer.block_hashes(text, adapter, salt, replica.engine.config.block_size)
         seq, queue = replica.submit(adapter, prompt_tokens, max_tokens, hashes, text, salt,
                                     exact=bool(body.get("ignore_eos")))
         if body.get("stream"):
@@ -262,12 +284,24 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
         return PlainTextResponse("")
 
     async def control(request: Request):
-        """Change this replica at run time: `{"speed": 0.5}` (a GPU that throttles or is shared), or
-        `{"garble": "vllm:kv_cache_usage_perc"}` (that family's values unreadable on /metrics; "" ends it)."""
+        """Change this replica at run time: `{"speed": 0.5}` (a GPU that throttles or is shared),
+        `{"garble": "vllm:kv_cache_usage_perc"}` (that family's values unreadable on /metrics; "" ends it),
+        `{"restart": true}` (when idle: the cache emptied, KV events from sequence 0 with AllBlocksCleared), or
+        `{"drop_events": N}` (the next N event batches reach only the replay buffer: a subscriber sees a gap)."""
         if (denied := refused(request)) is not None:
             return denied
         try:
             body = await request.json()
+            if body.get("restart"):
+                if not replica.restart():
+                    return JSONResponse({"error": "restart: the replica is busy; restart it when idle"}, status_code=409)
+                return JSONResponse({"restarted": True})
+            if "drop_events" in body:
+                if replica.publisher is None:
+                    return JSONResponse({"error": "drop_events: KV events are not published (--kv-events-config)"},
+                                        status_code=400)
+                replica.publisher.dropped_next = int(body["drop_events"])
+                return JSONResponse({"drop_events": replica.publisher.dropped_next})
             if "garble" in body:
                 garbled["family"] = str(body["garble"])
                 if "speed" not in body:
@@ -314,8 +348,15 @@ def build_replicas(args: argparse.Namespace) -> list[LiveReplica]:
         own = replace(config, **profiles[r % len(profiles)]) if profiles else replace(config)
         gpu = [warm[(r * own.max_loras + j) % len(warm)] for j in range(min(own.max_loras, len(warm)))]
         engine = ReplicaEngine(own, random.Random(f"{args.seed}-replica-{r}"), warm, gpu)
-        replicas.append(LiveReplica(engine, args.speed, adapters, args.kv_metric_name, args.residency_metric,
-                                    args.lora_info_style, "sglang" if r in sglang else "vllm"))
+        if getattr(args, "tokenizer", None):
+            engine.tokenizer = FileTokenizer(args.tokenizer)
+        replica = LiveReplica(engine, args.speed, adapters, args.kv_metric_name, args.residency_metric,
+                              args.lora_info_style, "sglang" if r in sglang else "vllm")
+        events = KVEventsConfig.parse(getattr(args, "kv_events_config", None))
+        if events is not None:
+            engine.pool.events = []
+            replica.publisher = KVEventPublisher(events.for_replica(r), args.kv_events_layout)
+        replicas.append(replica)
     return replicas
 
 
@@ -328,6 +369,7 @@ async def serve(args: argparse.Namespace) -> None:
         for i, rep in enumerate(replicas)
     ]
     engines = [asyncio.create_task(rep.run()) for rep in replicas]
+    engines += [asyncio.create_task(run_forever(rep.publisher)) for rep in replicas if rep.publisher is not None]
     print(f"simulating {len(replicas)} vLLM replicas on {args.host}:{args.base_port}..{args.base_port + len(replicas) - 1}"
           f" at {args.speed:g}x speed", flush=True)
     try:

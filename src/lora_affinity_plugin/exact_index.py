@@ -1,0 +1,115 @@
+"""Per pod, the blocks its engine says it holds: built from its KV events (`kv_events.py`), keyed by token ids
+(`token_blocks.py`), so that a request's prompt is matched exactly, not inferred from where it was sent.
+
+Pure: the subscriber feeds it batches in sequence order; the rules read `match`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from .token_blocks import block_key, chain_seed
+
+
+@dataclass(slots=True)
+class PodBlocks:
+    keys: dict[int, int] = field(default_factory=dict)
+    """Block key -> how many of the engine's blocks carry it (one, but for a block stored twice)."""
+    by_hash: dict[BlockHash, int | None] = field(default_factory=dict)
+    """The engine's block hash -> our key (None: a block whose chain we could not follow)."""
+    block_size: int | None = None
+    unresolved: int = 0
+    """Blocks stored after a parent this index never saw (a stream joined late): their keys are unknown."""
+
+
+class ExactIndex:
+    def __init__(self) -> None:
+        self._pods: dict[str, PodBlocks] = {}
+
+    def apply(self, pod: str, batch: EventBatch) -> None:
+        blocks = self._pods.setdefault(pod, PodBlocks())
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(blocks, event)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    key = blocks.by_hash.pop(h, None)
+                    if key is not None:
+                        left = blocks.keys.get(key, 0) - 1
+                        if left > 0:
+                            blocks.keys[key] = left
+                        else:
+                            blocks.keys.pop(key, None)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear(pod)
+                blocks = self._pods.setdefault(pod, PodBlocks())
+
+    @staticmethod
+    def _stored(blocks: PodBlocks, event: BlockStored) -> None:
+        size = event.block_size
+        blocks.block_size = size
+        if event.parent_block_hash is None:
+            parent: int | None = chain_seed(event.lora_name, _salt(event))
+        else:
+            parent = blocks.by_hash.get(event.parent_block_hash)
+        tokens = event.token_ids
+        for i, h in enumerate(event.block_hashes):
+            if parent is not None:
+                parent = block_key(parent, tokens[i * size:(i + 1) * size])
+                blocks.keys[parent] = blocks.keys.get(parent, 0) + 1
+            else:
+                blocks.unresolved += 1
+            old = blocks.by_hash.get(h)
+            if old is not None:  # the engine reused a hash without removing it first: drop the old key
+                left = blocks.keys.get(old, 0) - 1
+                if left > 0:
+                    blocks.keys[old] = left
+                else:
+                    blocks.keys.pop(old, None)
+            blocks.by_hash[h] = parent
+
+    def clear(self, pod: str) -> None:
+        self._pods.pop(pod, None)
+
+    def forget(self, pods_kept: set[str]) -> None:
+        for pod in [p for p in self._pods if p not in pods_kept]:
+            del self._pods[pod]
+
+    def match(self, pod: str, keys: Sequence[int]) -> int:
+        """How many leading blocks of a prompt's chain `pod` holds."""
+        blocks = self._pods.get(pod)
+        if blocks is None:
+            return 0
+        held = blocks.keys
+        n = 0
+        for key in keys:
+            if key not in held:
+                break
+            n += 1
+        return n
+
+    def size(self, pod: str) -> int:
+        blocks = self._pods.get(pod)
+        return len(blocks.keys) if blocks else 0
+
+    def keys(self, pod: str) -> set[int]:
+        blocks = self._pods.get(pod)
+        return set(blocks.keys) if blocks else set()
+
+    def block_size(self, pod: str) -> int | None:
+        blocks = self._pods.get(pod)
+        return blocks.block_size if blocks else None
+
+
+def _salt(event: BlockStored) -> str | None:
+    """The cache salt a chain's first block was stored under: the first block's extra keys other than the
+    LoRA name (vLLM lists the adapter's name, then the salt)."""
+    if not event.extra_keys:
+        return None
+    first = event.extra_keys[0]
+    if not first:
+        return None
+    rest = [k for k in first if isinstance(k, str) and k != event.lora_name]
+    return rest[-1] if rest else None

@@ -1,0 +1,180 @@
+"""Following every pod's KV-cache events: one SUB socket per pod, gaps filled from its replay socket.
+
+Each batch carries its sequence number. In order, a batch is applied to the `ExactIndex`. A gap (a message
+lost, a slow subscriber past the publisher's high-water mark) asks the pod's replay socket for everything
+from the first missing number, applies that, and goes on; what the pod no longer buffers is lost, and the
+pod is marked `partial` until its cache is known whole again (an `AllBlocksCleared`). A sequence that starts
+over is a restarted server: its blocks are forgotten. Runs in the scraper worker that holds the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from .exact_index import ExactIndex
+from .kv_events import END_SEQ, AllBlocksCleared, KVEventFormatError, decode_batch, sequence_bytes, sequence_of
+
+logger = logging.getLogger("lora_affinity.kv_events")
+
+REPLAY_TIMEOUT_S = 2.0
+"""How long a replay may take before the pod's index is marked partial and the stream followed on."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventEndpoints:
+    publisher: str
+    """The pod's PUB socket, e.g. `tcp://10.0.0.7:5557`."""
+    replay: str | None = None
+    """Its ROUTER socket for missed batches (None: gaps are lost)."""
+    topic: str = ""
+
+
+@dataclass(slots=True)
+class PodStream:
+    """Where one pod's stream stands."""
+
+    last_seq: int | None = None
+    partial: bool = True
+    """The index may lack blocks stored before this subscriber could see them (joined late, a gap lost)."""
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    restarts: int = 0
+    bad_payloads: int = 0
+    lag_s: float = 0.0
+    """The last batch's age when it was applied (its timestamp against this host's clock: a skew shows here)."""
+    last_at: float = field(default=0.0)
+
+
+class KVEventSubscriber:
+    def __init__(self, endpoints: dict[str, EventEndpoints], index: ExactIndex | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        self.endpoints = dict(endpoints)
+        self.index = index or ExactIndex()
+        self.streams: dict[str, PodStream] = {pod: PodStream() for pod in endpoints}
+        self._ctx = context or zmq.asyncio.Context.instance()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        tasks = [asyncio.create_task(self._follow(pod, ep, stop)) for pod, ep in self.endpoints.items()]
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _follow(self, pod: str, endpoints: EventEndpoints, stop: asyncio.Event) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, endpoints.topic.encode())
+        sub.connect(endpoints.publisher)
+        stream = self.streams[pod]
+        try:
+            # What the pod buffered before this subscriber connected: its whole history when it still holds
+            # batch 0 (then the index is exact from the start).
+            await self._replay(pod, endpoints, stream, 0, joining=True)
+            while not stop.is_set():
+                if not await sub.poll(200):
+                    continue
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    stream.bad_payloads += 1
+                    continue
+                await self._receive(pod, endpoints, stream, sequence_of(frames[1]), frames[2])
+        finally:
+            sub.close(linger=0)
+
+    async def _receive(self, pod: str, endpoints: EventEndpoints, stream: PodStream, seq: int, payload: bytes) -> None:
+        last = stream.last_seq
+        if last is not None and seq <= last:
+            if seq != 0 and not self._restarted(payload):
+                return  # already applied (from a replay)
+            stream.restarts += 1
+            logger.info("KV events of %s start over at %d: the server restarted; its blocks are forgotten", pod, seq)
+            self.index.clear(pod)
+            stream.last_seq = None
+            last = None
+        if last is not None and seq > last + 1:
+            stream.gaps += 1
+            await self._replay(pod, endpoints, stream, last + 1)
+            if stream.last_seq is not None and seq <= stream.last_seq:
+                return
+        self._apply(pod, stream, seq, payload)
+
+    @staticmethod
+    def _restarted(payload: bytes) -> bool:
+        try:
+            events = decode_batch(payload).events
+        except KVEventFormatError:
+            return False
+        return bool(events) and isinstance(events[0], AllBlocksCleared)
+
+    def _apply(self, pod: str, stream: PodStream, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except KVEventFormatError as exc:
+            stream.bad_payloads += 1
+            if stream.bad_payloads == 1:
+                logger.warning("KV events of %s: batch %d unreadable (%s); the pod's index is partial", pod, seq, exc)
+            stream.partial = True
+            stream.last_seq = seq
+            return
+        if stream.last_seq is None and seq != 0 and not (batch.events and isinstance(batch.events[0], AllBlocksCleared)):
+            stream.partial = True  # joined after the server's first batches: what they stored is unknown
+        if batch.events and isinstance(batch.events[0], AllBlocksCleared):
+            stream.partial = False
+        elif stream.last_seq is None and seq == 0:
+            stream.partial = False
+        self.index.apply(pod, batch)
+        stream.last_seq = seq
+        stream.batches += 1
+        stream.events += len(batch.events)
+        stream.last_at = time.time()
+        stream.lag_s = max(0.0, stream.last_at - batch.ts)
+
+    async def _replay(self, pod: str, endpoints: EventEndpoints, stream: PodStream, first: int,
+                      joining: bool = False) -> None:
+        """Apply the pod's buffered batches from `first` on; a missing start marks the index partial."""
+        if endpoints.replay is None:
+            if not joining:
+                stream.partial = True
+            return
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoints.replay)
+        expected = first
+        try:
+            await dealer.send_multipart((b"", sequence_bytes(first)))
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await dealer.poll(int(left * 1000)):
+                    if not joining:
+                        logger.warning("KV events of %s: no replay from %s within %.0f s; the pod's index is partial",
+                                       pod, endpoints.replay, REPLAY_TIMEOUT_S)
+                    stream.partial = True
+                    return
+                frames = await dealer.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = sequence_of(frames[1])
+                if seq == END_SEQ:
+                    return
+                if seq != expected and not (joining and expected == first):
+                    stream.partial = True  # the pod no longer buffers what was missed
+                if stream.last_seq is not None and seq <= stream.last_seq:
+                    continue
+                if joining and seq != 0 and stream.last_seq is None:
+                    stream.partial = True
+                self._apply(pod, stream, seq, frames[2])
+                stream.replayed += 1
+                expected = seq + 1
+        finally:
+            dealer.close(linger=0)

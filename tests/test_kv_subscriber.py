@@ -1,0 +1,164 @@
+"""The exact index from engines' KV events: keys from token ids, LoRA and salt kept apart, evictions followed;
+the subscriber fills a 1,000-batch gap from the replay socket and forgets a restarted server's blocks; and a
+simulated replica's events, with its own tokenizer or a real `tokenizer.json`, give the index exactly the
+blocks its cache holds."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import zmq.asyncio
+from procs import free_port, free_port_range, wait_port
+
+from lora_affinity_lab.sim.kv_cache import ByteTokenizer
+from lora_affinity_lab.sim.kv_publisher import KVEventPublisher, KVEventsConfig
+from lora_affinity_plugin.exact_index import ExactIndex
+from lora_affinity_plugin.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from lora_affinity_plugin.kv_subscriber import EventEndpoints, KVEventSubscriber
+from lora_affinity_plugin.token_blocks import chain_keys, chain_seed
+
+BS = 16
+
+
+def stored(hashes, parent, tokens, lora=None, salt=None):
+    extra = None
+    if lora or salt:
+        extra = tuple(tuple(k for k in (lora, salt if i == 0 and parent is None else None) if k) or None
+                      for i in range(len(hashes)))
+    return BlockStored(tuple(hashes), parent, tuple(tokens), BS, None, "GPU", lora, extra)
+
+
+def keys(tokens, lora=None, salt=None):
+    return list(chain_keys(chain_seed(lora, salt), tokens, BS))
+
+
+def test_keys_follow_stores_removals_adapters_salts_and_a_clear():
+    index = ExactIndex()
+    prompt = list(range(64))  # 4 blocks
+    index.apply("p", EventBatch(0.0, (stored([1, 2], None, prompt[:32], "sql"), stored([3, 4], 2, prompt[32:], "sql"))))
+    assert index.match("p", keys(prompt, "sql")) == 4
+    assert index.match("p", keys(prompt)) == 0 and index.match("p", keys(prompt, "chat")) == 0  # another adapter
+    assert index.match("p", keys(prompt, "sql", salt="tenant-a")) == 0
+    index.apply("p", EventBatch(1.0, (BlockRemoved((3,)),)))
+    assert index.match("p", keys(prompt, "sql")) == 2  # the chain is held up to the evicted block
+    index.apply("p", EventBatch(2.0, (stored([9], None, prompt[:16], "sql", salt="tenant-a"),)))
+    assert index.match("p", keys(prompt, "sql", salt="tenant-a")) == 1
+    index.apply("p", EventBatch(3.0, (stored([7], 999, prompt[:16]),)))  # a parent never seen: no key
+    assert index.size("p") == 4  # 1, 2, 4 (unreachable past 3, but held) and the salted block
+    index.apply("p", EventBatch(4.0, (AllBlocksCleared(),)))
+    assert index.size("p") == 0 and index.match("p", keys(prompt, "sql")) == 0
+
+
+async def _until(check, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the_pods_blocks():
+    pub_port, replay_port = free_port(), free_port()
+    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
+                                                f"tcp://127.0.0.1:{replay_port}", buffer_steps=5000))
+    replay_task = asyncio.create_task(publisher.serve_replay())
+    subscriber = KVEventSubscriber({"p": EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")})
+    stop = asyncio.Event()
+    follow = asyncio.create_task(subscriber.run(stop))
+    stream = subscriber.streams["p"]
+    try:
+        prompts = [[i * 1000 + t for t in range(BS)] for i in range(1100)]
+        publisher.publish([stored([10_000], None, prompts[0])])
+        await _until(lambda: stream.last_seq == 0)  # (the SUB socket is connected once the first one arrives)
+        publisher.dropped_next = 1000  # batches 1..1000 reach only the replay buffer
+        for i in range(1, 1001):
+            publisher.publish([stored([10_000 + i], None, prompts[i])])
+        publisher.publish([stored([20_000], None, prompts[1001])])  # batch 1001: the gap shows
+        await _until(lambda: stream.last_seq == 1001)
+        assert stream.gaps == 1 and stream.replayed >= 1000 and not stream.partial
+        assert all(subscriber.index.match("p", keys(prompts[i])) == 1 for i in range(1002))
+        publisher.restart()  # sequence 0 again, AllBlocksCleared first
+        publisher.publish([stored([30_000], None, prompts[1050])])
+        await _until(lambda: stream.restarts == 1 and stream.last_seq == 1)
+        assert subscriber.index.size("p") == 1 and subscriber.index.match("p", keys(prompts[1050])) == 1
+    finally:
+        stop.set()
+        await follow
+        replay_task.cancel()
+        publisher.close()
+
+
+def _train_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    words = ["billing", "weather", "question", "answer", "assistant", "rules", "travel", "system", "user"]
+    corpus = [" ".join(words[(i + j) % len(words)] for j in range(30)) for i in range(200)]
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
+                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path))
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes3", "file"])
+def test_a_simulated_replicas_events_give_exactly_the_blocks_its_cache_holds(tmp_path, tokenizer):
+    base, pub, replay = free_port_range(1), free_port_range(1), free_port_range(1)
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                         "replay_endpoint": f"tcp://*:{replay}"})
+    args = [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "1", "--base-port", str(base),
+            "--speed", "50", "--kv-blocks", "40", "--kv-events-config", config]
+    if tokenizer == "file":
+        _train_tokenizer(tmp_path / "tokenizer.json")
+        from tokenizers import Tokenizer
+
+        encode = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode
+        token_ids = lambda text: encode(text, add_special_tokens=False).ids  # noqa: E731
+        args += ["--tokenizer", str(tmp_path / "tokenizer.json")]
+    else:
+        token_ids = lambda text: [t for block in ByteTokenizer().block_tokens(text, 1) for t in block]  # noqa: E731
+    sim = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(base)
+        asyncio.run(_follow_the_replica(base, pub, replay, token_ids))
+    finally:
+        sim.terminate()
+        sim.wait(10)
+
+
+async def _follow_the_replica(base, pub, replay, token_ids):
+    subscriber = KVEventSubscriber({"r0": EventEndpoints(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")})
+    stop = asyncio.Event()
+    follow = asyncio.create_task(subscriber.run(stop))
+    index, stream = subscriber.index, subscriber.streams["r0"]
+    url = f"http://127.0.0.1:{base}/v1/completions"
+    billing = "billing rules answer question " * 12
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for adapter, salt in (("sql-lora", None), ("chat-lora", None), ("sql-lora", "tenant-a")):
+                body = {"model": adapter, "prompt": billing, "max_tokens": 2}
+                if salt:
+                    body["cache_salt"] = salt
+                assert (await client.post(url, json=body)).status_code == 200
+            full = len(token_ids(billing)) // BS
+            await _until(lambda: index.size("r0") >= 3 * full)
+            for adapter, salt in (("sql-lora", None), ("chat-lora", None), ("sql-lora", "tenant-a")):
+                assert index.match("r0", keys(token_ids(billing), adapter, salt)) == full, (adapter, salt)
+            assert index.match("r0", keys(token_ids(billing), "other-lora")) == 0
+            assert not stream.partial and stream.gaps == 0
+            # Fill the 40-block cache with other prompts: the first ones are evicted, and the index follows.
+            for i in range(12):
+                text = f"weather travel {i} " + "system user assistant " * 10
+                assert (await client.post(url, json={"model": "sql-lora", "prompt": text, "max_tokens": 2})).status_code == 200
+            await asyncio.sleep(0.5)
+            assert index.match("r0", keys(token_ids(billing), "sql-lora")) < full
+            assert index.size("r0") <= 40
+            restarted = await client.post(f"http://127.0.0.1:{base}/control", json={"restart": True})
+            assert restarted.json() == {"restarted": True}
+            await _until(lambda: stream.restarts == 1)
+            assert index.size("r0") == 0
+    finally:
+        stop.set()
+        await follow
