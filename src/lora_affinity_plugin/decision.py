@@ -87,6 +87,8 @@ class RouteRequest:
     """Leading blocks of that chain each pod should still hold (absent: none)."""
     placement_key: int | None = None
     """Gateways rank equally good pods by this key (rendezvous hashing), so they agree without talking."""
+    match_sources: Mapping[str, str] = field(default_factory=dict)
+    """Pods whose match came from their engine's KV events (`exact`); the others' from the inferred index."""
     prefix_sizes: Mapping[str, int] = field(default_factory=dict)
     """Blocks each pod's index holds (the sglang-cache-aware reference needs them)."""
     prefix_hashes: tuple[int, ...] = ()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .exact_share import PodChange
 from .kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from .token_blocks import block_key, chain_seed
 
@@ -27,27 +28,65 @@ class PodBlocks:
 class ExactIndex:
     def __init__(self) -> None:
         self._pods: dict[str, PodBlocks] = {}
+        self._changes: dict[str, PodChange] = {}
+        """What changed since `take_changes` (the scraper shares it with the proxies, `exact_share.py`)."""
+
+    def track(self, pod: str) -> None:
+        """`pod`'s stream is followed: it reports its cache from now on, even while it holds nothing."""
+        if pod not in self._pods:
+            self._pods[pod] = PodBlocks()
+            self._change(pod).cleared = True
+
+    def take_changes(self) -> dict[str, PodChange]:
+        changes, self._changes = self._changes, {}
+        return changes
+
+    def snapshot(self) -> dict[str, PodChange]:
+        """Every pod's keys, as a change set that replaces whatever a reader held."""
+        return {pod: PodChange(True, blocks.block_size or 0, set(blocks.keys)) for pod, blocks in self._pods.items()}
+
+    def _change(self, pod: str) -> PodChange:
+        change = self._changes.get(pod)
+        if change is None:
+            change = self._changes[pod] = PodChange()
+        return change
+
+    def _added(self, pod: str, key: int, block_size: int) -> None:
+        change = self._change(pod)
+        change.block_size = block_size
+        change.removed.discard(key)
+        change.added.add(key)
+
+    def _gone(self, pod: str, key: int) -> None:
+        change = self._change(pod)
+        if key in change.added:
+            change.added.discard(key)
+        else:
+            change.removed.add(key)
 
     def apply(self, pod: str, batch: EventBatch) -> None:
         blocks = self._pods.setdefault(pod, PodBlocks())
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._stored(blocks, event)
+                self._stored(pod, blocks, event)
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
-                    key = blocks.by_hash.pop(h, None)
-                    if key is not None:
-                        left = blocks.keys.get(key, 0) - 1
-                        if left > 0:
-                            blocks.keys[key] = left
-                        else:
-                            blocks.keys.pop(key, None)
+                    self._drop(pod, blocks, blocks.by_hash.pop(h, None))
             elif isinstance(event, AllBlocksCleared):
                 self.clear(pod)
                 blocks = self._pods.setdefault(pod, PodBlocks())
 
-    @staticmethod
-    def _stored(blocks: PodBlocks, event: BlockStored) -> None:
+    def _drop(self, pod: str, blocks: PodBlocks, key: int | None) -> None:
+        if key is None:
+            return
+        left = blocks.keys.get(key, 0) - 1
+        if left > 0:
+            blocks.keys[key] = left
+        else:
+            blocks.keys.pop(key, None)
+            self._gone(pod, key)
+
+    def _stored(self, pod: str, blocks: PodBlocks, event: BlockStored) -> None:
         size = event.block_size
         blocks.block_size = size
         if event.parent_block_hash is None:
@@ -56,22 +95,22 @@ class ExactIndex:
             parent = blocks.by_hash.get(event.parent_block_hash)
         tokens = event.token_ids
         for i, h in enumerate(event.block_hashes):
+            old = blocks.by_hash.get(h)
             if parent is not None:
                 parent = block_key(parent, tokens[i * size:(i + 1) * size])
-                blocks.keys[parent] = blocks.keys.get(parent, 0) + 1
+                count = blocks.keys.get(parent, 0)
+                blocks.keys[parent] = count + 1
+                if not count:
+                    self._added(pod, parent, size)
             else:
                 blocks.unresolved += 1
-            old = blocks.by_hash.get(h)
             if old is not None:  # the engine reused a hash without removing it first: drop the old key
-                left = blocks.keys.get(old, 0) - 1
-                if left > 0:
-                    blocks.keys[old] = left
-                else:
-                    blocks.keys.pop(old, None)
+                self._drop(pod, blocks, old)
             blocks.by_hash[h] = parent
 
     def clear(self, pod: str) -> None:
         self._pods.pop(pod, None)
+        self._changes[pod] = PodChange(cleared=True)
 
     def forget(self, pods_kept: set[str]) -> None:
         for pod in [p for p in self._pods if p not in pods_kept]:

@@ -23,11 +23,14 @@ from typing import Any, Iterable, Mapping, Sequence
 from .cost import relative_slowness
 from .podstate import DEFAULT_RATES
 from .inflight import Dispatch, InFlight, PeerShare
+from .exact_share import HeldBlocks
 from .prefix_index import PrefixIndex
-from .prefixes import instructions_blocks, is_later_turn, placement_key, prompt_prefix
+from .prefixes import instructions_blocks, is_later_turn, placement_key, prompt_prefix, request_salt
 from .scheduling import Candidate, RouteRequest
 from .settings import Settings
 from .store import PodRecord
+from .token_blocks import chain_keys, chain_seed
+from .tokenization import tokenizer_for
 
 _DEFAULT_SLOTS = 4
 
@@ -72,6 +75,8 @@ class FleetView:
         self._peers_read_at = float("inf")
         self._anonymous = 0
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
+        self.held = HeldBlocks()
+        """What each pod's engine reports its cache holds (its KV events, through the scraper and Redis)."""
         self._dealing: dict[str, int] = {}
         self._reported: frozenset[str] = frozenset()
         """Adapters some pod reports (running, waiting or loaded), as of the last update."""
@@ -138,8 +143,10 @@ class FleetView:
         self.prefixes.add(pod, hashes, now, share=self.settings.share_prefixes)
 
     def route_request(self, adapter: str | None, scope: str, messages: Any, request_kwargs: Any, pods: Iterable[str],
-                      settings: Settings, sheddable: bool = False) -> RouteRequest:
-        """What the rules need to know about one request: its adapter, class and prompt prefix."""
+                      settings: Settings, sheddable: bool = False, model: str | None = None) -> RouteRequest:
+        """What the rules need to know about one request: its adapter, class and prompt prefix. A pod whose
+        engine publishes KV events is matched by what it holds (`exact_matches`), the others by the inferred
+        index."""
         hashes = prompt_prefix(messages, scope, request_kwargs, settings)
         gateways = 1 + self.peer_processes
         home = self.dealt_pod(adapter, pods) if gateways > 1 and adapter is not None else None
@@ -147,12 +154,50 @@ class FleetView:
         if not hashes:
             return RouteRequest(adapter, sheddable, placement_key=placement_key(scope, ()), gateways=gateways,
                                 home=home, dealt_adapters=dealt)
+        matches = self.prefixes.matches(hashes, pods)
+        sources: dict[str, str] = {}
+        exact = self.exact_matches(model or scope, adapter, messages, request_kwargs, pods, settings)
+        if exact:
+            matches = dict(matches)
+            per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+            for pod, tokens in exact.items():
+                blocks = min(len(hashes), int(tokens / per_block))
+                if blocks:
+                    matches[pod] = blocks
+                else:
+                    matches.pop(pod, None)
+                sources[pod] = "exact"
         return RouteRequest(
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
-            prefix_matches=self.prefixes.matches(hashes, pods), prefix_hashes=hashes,
+            prefix_matches=matches, match_sources=sources, prefix_hashes=hashes,
             prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
             instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
             later_turn=adapter is None and is_later_turn(messages))  # only a base-model turn reads it
+
+    def exact_matches(self, model: str, adapter: str | None, messages: Any, request_kwargs: Any,
+                      pods: Iterable[str], settings: Settings) -> dict[str, int]:
+        """Per pod whose engine reports its cache, the prompt's leading tokens it holds (empty: none does, no
+        tokenizer is set for the group, or callers are isolated from each other's prompts)."""
+        if not settings.kv_events or not settings.tokenizers or settings.prefix_isolation != "shared":
+            return {}
+        held = self.held
+        reporting = [pod for pod in pods if held.has(pod)]
+        if not reporting:
+            return {}
+        tokenizer = tokenizer_for(settings.tokenizers, model)
+        if tokenizer is None:
+            return {}
+        seed = chain_seed(adapter, request_salt(request_kwargs))
+        out: dict[str, int] = {}
+        for ids in tokenizer.candidates(messages):
+            chains: dict[int, list[int]] = {}
+            for pod in reporting:
+                size = held.block_size(pod) or 16
+                keys = chains.get(size)
+                if keys is None:
+                    keys = chains[size] = list(chain_keys(seed, ids, size))
+                out[pod] = max(out.get(pod, 0), held.match(pod, keys) * size)
+        return out
 
     def adapter_known(self, adapter: str) -> bool:
         """Whether `adapter` is one the pods serve: listed in their /v1/models, reported by one of them, or

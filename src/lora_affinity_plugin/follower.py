@@ -17,6 +17,7 @@ from typing import Callable
 from .clock import RedisClock, redis_seconds
 
 from .discovery import decode_served, served_models_key
+from .exact_share import changes_key, decode_changes, snapshot_key
 from .episodes import Episode
 from .fleet import FleetView
 from .inflight import (
@@ -98,6 +99,9 @@ class Follower:
         self.pods_seen: set[str] = set()
         """Other processes sharing in-flight tables, as of the last refresh."""
         self.stream_id = "0-0"
+        self.kv_epoch: bytes = b""
+        self.kv_id = "0-0"
+        """The last exact-index change set read (`_follow_exact`)."""
         """The last prefix-stream entry read: peers' index entries after it are new."""
         self.clock = RedisClock()
         """Times read from Redis (scrapes, peers' dispatches, index entries) are on its clock; see `clock.py`."""
@@ -177,6 +181,8 @@ class Follower:
             self.fleet.serve(served)  # what gateways deal over the pods to agree on placements
         self.served_models = served
         self._follow_prefixes(stream)
+        if self.settings.kv_events:
+            await self._follow_exact(client)
         self.fleet.maintain(time.time())
         own = self.process.encode()
         self.peers = [m.decode() for m in members if m != own] if sharing else []
@@ -193,6 +199,41 @@ class Follower:
                 continue
             for pod, at, hashes in decode_entries(values.get(b"e", b"")):
                 self.fleet.prefixes.add_shared(pod, hashes, self.clock.to_local(at))
+
+    async def _follow_exact(self, client) -> None:
+        """The scraper's changes to the exact index since the last refresh; the snapshot when this process has
+        none or missed a change set (`exact_share.py`)."""
+        held = self.fleet.held
+        prefix = self.base.key_prefix
+        try:
+            if held.number is None:
+                snap = await client.hgetall(snapshot_key(prefix))
+                if not snap:
+                    return
+                held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
+                self.kv_epoch, self.kv_id = snap[b"e"], snap[b"i"].decode()
+            entries = await client.xrange(changes_key(prefix), min=self.kv_id, count=1_000)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._redis_down.fail(type(exc).__name__)
+            return
+        for entry_id, fields in entries:
+            if held.number is None:
+                return
+            number = int(fields.get(b"n", -1))
+            if fields.get(b"e") != self.kv_epoch or number != held.number + 1:
+                if fields.get(b"e") == self.kv_epoch and number <= held.number:
+                    continue  # (written before the snapshot this process loaded)
+                held.number = None  # a change set missed, or a new scraper: the snapshot again next refresh
+                return
+            try:
+                held.apply(decode_changes(fields[b"c"]))
+            except (KeyError, ValueError):
+                held.number = None
+                return
+            held.number = number
+            self.kv_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def _sweep(self) -> None:
         swept = self.fleet.sweep(time.time() - self.settings.inflight_timeout_ms / 1000)

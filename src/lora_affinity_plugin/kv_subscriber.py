@@ -132,6 +132,7 @@ class KVEventSubscriber:
             stream.partial = False
         elif stream.last_seq is None and seq == 0:
             stream.partial = False
+        self.index.track(pod)
         self.index.apply(pod, batch)
         stream.last_seq = seq
         stream.batches += 1
@@ -166,6 +167,7 @@ class KVEventSubscriber:
                     continue
                 seq = sequence_of(frames[1])
                 if seq == END_SEQ:
+                    self.index.track(pod)  # the pod answers: it reports its cache, empty or not
                     return
                 if seq != expected and not (joining and expected == first):
                     stream.partial = True  # the pod no longer buffers what was missed

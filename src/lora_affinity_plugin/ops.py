@@ -25,6 +25,7 @@ from .fleet import FleetView
 from .inflight import prefix_stream_key, read_shared_tables
 from .lease import lease_key
 from .pods import discover_pods
+from .exact_share import changes_key, decode_changes, snapshot_key
 from .prefix_index import decode_entries
 from .profiles import BUILT_IN, STEP_KINDS, describe, part_names
 from .scheduling import SchedulingError, choose_pod
@@ -269,6 +270,8 @@ def run_explain(args: argparse.Namespace) -> int:
     candidates = fleet.candidates(list(records), now)
     messages = _explained_messages(args)
     _replay_shared_prefixes(client, fleet, settings)
+    if settings.kv_events:
+        _load_exact_index(client, fleet, settings)
     request = fleet.route_request(args.model, args.model, messages, {"cache_salt": args.cache_salt},
                                   [c.key for c in candidates], settings, args.criticality == "sheddable")
     data: dict = {"model": args.model, "criticality": args.criticality, "settings_version": copy.version if copy else 0,
@@ -276,7 +279,8 @@ def run_explain(args: argparse.Namespace) -> int:
                   "view": {c.key: {"waiting": c.waiting, "running": c.running, "kv": round(c.kv_cache_usage, 3)}
                            for c in candidates},
                   "prefix_blocks": request.prefix_blocks,
-                  "prefix_matches": {c.key: request.prefix_matches.get(c.key, 0) for c in candidates}}
+                  "prefix_matches": {c.key: request.prefix_matches.get(c.key, 0) for c in candidates},
+                  "match_sources": {c.key: request.match_sources.get(c.key, "inferred") for c in candidates}}
     try:
         decision = choose_pod(candidates, request, settings, random.Random(args.seed), explain=True)
     except SchedulingError as exc:
@@ -299,9 +303,10 @@ def run_explain(args: argparse.Namespace) -> int:
     lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
              f"  prompt prefix: {request.prefix_blocks} blocks of {settings.prefix_block_chars} characters"
              + ("" if request.prefix_blocks else " (none: short prompt, or no --prompt/--messages)"),
-             "  candidates (waiting, running, KV, active adapters, matched prefix blocks):"]
+             "  candidates (waiting, running, KV, active adapters, matched prefix blocks and where that came from):"]
     lines += [f"    {c.key}: {c.waiting}, {c.running}, {c.kv_cache_usage:.2f}, {','.join(sorted(c.active_adapters)) or '-'}, "
-              f"{request.prefix_matches.get(c.key, 0)}/{request.prefix_blocks}"
+              f"{request.prefix_matches.get(c.key, 0)}/{request.prefix_blocks} "
+              f"({request.match_sources.get(c.key, 'inferred')})"
               for c in view.values()]
     if decision.costs:
         lines.append("  estimated cost (rates learned from each pod's histograms, or defaults):")
@@ -343,6 +348,18 @@ def _explained_messages(args: argparse.Namespace) -> list | None:
     if args.prompt:
         return [{"role": "user", "content": args.prompt}]  # how LiteLLM hands a completion's prompt to routing
     return None
+
+
+def _load_exact_index(client: redis.Redis, fleet: FleetView, settings: Settings) -> None:
+    """What the engines report their caches hold, as the proxies read it (the snapshot and the changes since)."""
+    snap = client.hgetall(snapshot_key(settings.key_prefix))
+    if not snap:
+        return
+    fleet.held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
+    for _, fields in client.xrange(changes_key(settings.key_prefix), min=snap[b"i"].decode()):
+        if fields.get(b"e") == snap[b"e"] and int(fields.get(b"n", -1)) == fleet.held.number + 1:
+            fleet.held.apply(decode_changes(fields[b"c"]))
+            fleet.held.number += 1
 
 
 def _replay_shared_prefixes(client: redis.Redis, fleet: FleetView, settings: Settings) -> None:

@@ -90,7 +90,7 @@ class Scraper:
 
     def __init__(self, settings: Settings, pods: Sequence[str], redis_client=None,
                  parse: Callable[[str], PodMetrics] = parse_metrics, engines: Mapping[str, str] | None = None,
-                 token_pods: Iterable[str] = (), marked_pods: Iterable[str] = ()):
+                 token_pods: Iterable[str] = (), marked_pods: Iterable[str] = (), kv_events: Any = None):
         self.base_settings = settings
         self.settings = settings
         self.settings_version = 0
@@ -122,6 +122,8 @@ class Scraper:
         self._last_good: dict[str, PodRecord] = {}
         """Each pod's last fully read record: a page that cannot be read for a moment does not drain the pod."""
         self._adopted = False
+        self.kv_events = kv_events
+        """`kv_follow.KVEventSharing` when `kv_events` is on: the pods' KV events, followed while leader."""
         if settings.metrics_bearer_token is not None and not self.token_pods:
             logger.warning("metrics_bearer_token is set but no pod is named for it (metrics_token_pods, or "
                            "model_info.lora_affinity_pod: true): it is sent to none")
@@ -133,9 +135,14 @@ class Scraper:
         model_list = list(model_list)
         marks = pod_marks(model_list)
         pods = discover_pods(model_list, marks)
+        kv_events = None
+        if settings.kv_events:
+            from .kv_follow import KVEventSharing, event_endpoints  # needs the kv-events extra
+
+            kv_events = KVEventSharing(event_endpoints(model_list, pods, settings))
         return cls(settings, pods, redis_client, engines=pod_engines(model_list, settings.default_engine),
                    token_pods=token_pods(pods, marks, settings.metrics_token_pods),
-                   marked_pods=[pod for pod, mark in marks.items() if mark])
+                   marked_pods=[pod for pod, mark in marks.items() if mark], kv_events=kv_events)
 
     async def _scrape_pod(self, pod: str) -> PodRecord:
         started = time.time()
@@ -190,6 +197,8 @@ class Scraper:
         if self._redis is None:
             self._redis = connect(self.settings)
         if not self.leader and not await self._lease():
+            if self.kv_events is not None:
+                await self.kv_events.stop()  # another worker follows the events now
             return []
         if not self._adopted:
             await self._adopt()
@@ -199,11 +208,23 @@ class Scraper:
             _export(record)
         stamped = [replace(r, scraper=self.holder) for r in records]
         await self._lease([(pod_key(self.settings, r.pod), r.to_json()) for r in stamped])
+        if self.kv_events is not None:
+            await self._share_kv_events()
         SCRAPE_SECONDS.observe(time.perf_counter() - started)
         if self.leader and self.settings.list_served_models and time.monotonic() >= self._next_models:
             self._next_models = time.monotonic() + self.settings.models_refresh_ms / 1000
             await self.publish_served_models()
         return records
+
+    async def _share_kv_events(self) -> None:
+        if not self.leader:
+            await self.kv_events.stop()
+            return
+        self.kv_events.start()
+        try:
+            await self.kv_events.share(self._redis, self.settings.key_prefix)
+        except Exception as exc:  # the next interval writes again (a proxy that misses a number reloads)
+            self._redis_down.fail(type(exc).__name__)
 
     async def _adopt(self) -> None:
         """On taking the lease: what the previous holder learned, from its records (rates, proven pods), so a
@@ -290,6 +311,8 @@ class Scraper:
             await self.aclose()
 
     async def aclose(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self._http.aclose()
         if self._redis is not None:
             try:

@@ -172,6 +172,22 @@ class Settings(BaseModel):
 
     _built_profiles: dict[str, Any] = PrivateAttr(default_factory=dict)
 
+    # Exact cache state from the engines' KV events (kv_subscriber.py; the `kv-events` extra).
+    kv_events: bool = False
+    """Follow each pod's KV-cache events (vLLM's `--kv-events-config`) in the scraper, so the prefix index holds
+    what the engines report, not what was sent where; pods without events keep the inferred index."""
+    kv_events_endpoint: str = "tcp://{host}:5557"
+    """Each pod's event publisher; `{host}` is the pod's host (a deployment's
+    `model_info.kv_events_endpoint` overrides it)."""
+    kv_events_replay_endpoint: str | None = "tcp://{host}:5558"
+    """Each pod's replay socket, which refills a gap in its sequence (`model_info.kv_events_replay_endpoint`)."""
+    kv_events_topic: str = ""
+    """The topic the pods publish under (vLLM's `topic`)."""
+    tokenizers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per model group (`*` wildcards), the files a gateway needs to name a prompt's blocks as its engine does:
+    `{tokenizer: PATH/tokenizer.json, chat_template: PATH}` (the chat template the engine applies, Jinja; absent:
+    chats are not matched exactly). Loaded once, offline."""
+
     @field_validator("prefix_isolation", mode="before")
     @classmethod
     def _isolation_off(cls, value: Any) -> Any:
@@ -244,7 +260,9 @@ class Settings(BaseModel):
 
 # Settings an operator may change at run time (`lora-affinity thresholds set`); the rest need a restart.
 RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
-                          "adapter_info_key", "metrics_bearer_token", "metrics_token_pods", "rule_modules"})
+                          "adapter_info_key", "metrics_bearer_token", "metrics_token_pods", "rule_modules",
+                          "kv_events", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
+                          "tokenizers"})
 LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 

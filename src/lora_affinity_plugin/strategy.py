@@ -149,7 +149,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             adapter = None  # the base model: no LoRA rule applies
         settings = self._group_settings(model)
         request = self.fleet.route_request(adapter, adapter or model, messages, request_kwargs, pods.positions, settings,
-                                           self._sheddable(model, request_kwargs))
+                                           self._sheddable(model, request_kwargs), model=model)
         decision = choose_pod(candidates, request, settings, self.rng)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s -> %s (%s) among %s, prefix %d blocks, matches %s", adapter, decision.pod,

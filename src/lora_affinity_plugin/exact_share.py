@@ -1,0 +1,120 @@
+"""The exact index, shared: the scraper's changes to it reach every proxy through Redis, off the request path.
+
+The scraper that follows the pods' KV events appends each interval's changes (per pod: cleared or not, keys
+added, keys removed) to a capped stream, numbered; every few seconds it writes a snapshot of every pod's keys
+with the number it covers. A proxy loads the snapshot once, then applies the stream's entries in its refresh;
+a number it did not expect (it fell behind the cap, or the scraper restarted) makes it load the snapshot again.
+A proxy only ever holds key sets (`HeldBlocks`): no msgpack or ZeroMQ on its side.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+FORMAT = b"K1"
+_POD = struct.Struct("<HBHII")
+"""Per pod: name length, flags (1: cleared first), block size, keys added, keys removed."""
+
+
+def changes_key(prefix: str) -> str:
+    return f"{{{prefix}}}:kv:changes"
+
+
+def snapshot_key(prefix: str) -> str:
+    return f"{{{prefix}}}:kv:snapshot"
+
+
+@dataclass(slots=True)
+class PodChange:
+    cleared: bool = False
+    """Forget the pod's keys before adding these (a restart, or a whole snapshot)."""
+    block_size: int = 0
+    added: set[int] = field(default_factory=set)
+    removed: set[int] = field(default_factory=set)
+
+
+def encode_changes(changes: Mapping[str, PodChange]) -> bytes:
+    out = [FORMAT]
+    for pod, change in changes.items():
+        name = pod.encode("utf-8", "surrogatepass")
+        out.append(_POD.pack(len(name), 1 if change.cleared else 0, change.block_size, len(change.added),
+                             len(change.removed)))
+        out.append(name)
+        out.append(array("Q", sorted(change.added)).tobytes())
+        out.append(array("Q", sorted(change.removed)).tobytes())
+    return b"".join(out)
+
+
+def decode_changes(data: bytes) -> dict[str, PodChange]:
+    """ValueError on anything but this format (a newer writer's entry is skipped by the caller, never half-read)."""
+    if not data.startswith(FORMAT):
+        raise ValueError("not a K1 change set")
+    view, at, out = memoryview(data), len(FORMAT), {}
+    while at < len(data):
+        name_len, flags, block_size, n_added, n_removed = _POD.unpack_from(view, at)
+        at += _POD.size
+        pod = bytes(view[at:at + name_len]).decode("utf-8", "surrogatepass")
+        at += name_len
+        added = array("Q")
+        added.frombytes(view[at:at + 8 * n_added])
+        at += 8 * n_added
+        removed = array("Q")
+        removed.frombytes(view[at:at + 8 * n_removed])
+        at += 8 * n_removed
+        if len(added) != n_added or len(removed) != n_removed:
+            raise ValueError("truncated change set")
+        out[pod] = PodChange(bool(flags & 1), block_size, set(added), set(removed))
+    return out
+
+
+class HeldBlocks:
+    """A proxy's copy of the exact index: per pod, the keys of the blocks its engine holds."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, set[int]] = {}
+        self._block_size: dict[str, int] = {}
+        self.number: int | None = None
+        """The last change set applied (-1: none yet after the snapshot; None: no snapshot loaded)."""
+
+    def apply(self, changes: Mapping[str, PodChange]) -> None:
+        for pod, change in changes.items():
+            keys = self._keys.get(pod)
+            if keys is None or change.cleared:
+                keys = self._keys[pod] = set()
+            keys -= change.removed
+            keys |= change.added
+            if change.block_size:
+                self._block_size[pod] = change.block_size
+
+    def load(self, snapshot: Mapping[str, PodChange], number: int) -> None:
+        self._keys.clear()
+        self._block_size.clear()
+        self.apply(snapshot)
+        self.number = number
+
+    def has(self, pod: str) -> bool:
+        return pod in self._keys
+
+    def block_size(self, pod: str) -> int | None:
+        return self._block_size.get(pod)
+
+    def pods(self) -> Iterable[str]:
+        return self._keys.keys()
+
+    def size(self, pod: str) -> int:
+        return len(self._keys.get(pod, ()))
+
+    def match(self, pod: str, keys: Sequence[int]) -> int:
+        """How many leading blocks of a prompt's chain `pod` holds."""
+        held = self._keys.get(pod)
+        if not held:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in held:
+                break
+            n += 1
+        return n

@@ -1,0 +1,107 @@
+"""The scraper's side of exact cache state: which pods publish KV events, following them while it holds the
+lease, and sharing the index with every proxy through Redis (`exact_share.py`).
+
+Imported only when `kv_events` is on: it needs the `kv-events` extra (pyzmq, msgspec).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, Mapping, Sequence
+from urllib.parse import urlsplit
+
+from .exact_index import ExactIndex
+from .exact_share import changes_key, encode_changes, snapshot_key
+from .kv_subscriber import EventEndpoints, KVEventSubscriber
+from .pods import deployment_pod
+from .settings import Settings
+
+logger = logging.getLogger("lora_affinity.kv_events")
+
+STREAM_LENGTH = 2_000
+"""Change sets kept in the stream (10 minutes at 200 ms when every interval changes): a proxy further behind
+loads the snapshot again."""
+SNAPSHOT_EVERY_S = 5.0
+
+
+def event_endpoints(model_list: Sequence[Mapping[str, Any]], pods: Sequence[str],
+                    settings: Settings) -> dict[str, EventEndpoints]:
+    """Each scraped pod's event sockets: the settings' templates with the pod's host, or its deployment's
+    `model_info.kv_events_endpoint` / `kv_events_replay_endpoint` (an empty one: that pod publishes none)."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for deployment in model_list:
+        pod = deployment_pod(deployment)
+        info = deployment.get("model_info") or {}
+        if pod and isinstance(info, dict) and ("kv_events_endpoint" in info or "kv_events_replay_endpoint" in info):
+            overrides[pod] = info
+    out = {}
+    for pod in pods:
+        host = urlsplit(pod).hostname or ""
+        info = overrides.get(pod, {})
+        publisher = info.get("kv_events_endpoint", settings.kv_events_endpoint)
+        replay = info.get("kv_events_replay_endpoint", settings.kv_events_replay_endpoint)
+        if not publisher:
+            continue
+        out[pod] = EventEndpoints(str(publisher).format(host=host), str(replay).format(host=host) if replay else None,
+                                  settings.kv_events_topic)
+    return out
+
+
+class KVEventSharing:
+    """Follows every pod's events while this worker holds the lease, and writes the index's changes."""
+
+    def __init__(self, endpoints: Mapping[str, EventEndpoints]) -> None:
+        self.endpoints = dict(endpoints)
+        self.subscriber: KVEventSubscriber | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._epoch = uuid.uuid4().hex[:12]
+        """Names this term's numbering: a proxy that sees another epoch loads the snapshot."""
+        self._number = 0
+        self._last_id = "0-0"
+        self._next_snapshot = 0.0
+
+    def start(self) -> None:
+        if self._task is not None or not self.endpoints:
+            return
+        self.subscriber = KVEventSubscriber(self.endpoints, ExactIndex())
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self.subscriber.run(self._stop), name="lora-affinity-kv-events")
+        self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
+        logger.info("following the KV events of %d pods", len(self.endpoints))
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._stop.set()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task, self.subscriber = None, None
+
+    async def share(self, client, prefix: str) -> None:
+        """This interval's changes into the stream; every few seconds a snapshot the stream continues from."""
+        if self.subscriber is None:
+            return
+        index = self.subscriber.index
+        changes = index.take_changes()
+        if changes:
+            number, self._number = self._number, self._number + 1
+            try:
+                self._last_id = _text(await client.xadd(changes_key(prefix), {
+                    "e": self._epoch, "n": number, "c": encode_changes(changes)},
+                    maxlen=STREAM_LENGTH, approximate=True))
+            except Exception:
+                # Those changes are lost: the number they had is a gap readers notice, and the next snapshot,
+                # written as soon as Redis answers, holds them.
+                self._next_snapshot = 0.0
+                raise
+        if time.monotonic() >= self._next_snapshot:
+            self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
+            await client.hset(snapshot_key(prefix), mapping={
+                "e": self._epoch, "n": self._number - 1, "i": self._last_id, "c": encode_changes(index.snapshot())})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
