@@ -77,6 +77,7 @@ class FleetView:
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
         self.held = HeldBlocks()
         """What each pod's engine reports its cache holds (its KV events, through the scraper and Redis)."""
+
         self._dealing: dict[str, int] = {}
         self._reported: frozenset[str] = frozenset()
         """Adapters some pod reports (running, waiting or loaded), as of the last update."""
@@ -178,13 +179,13 @@ class FleetView:
                       pods: Iterable[str], settings: Settings) -> dict[str, int]:
         """Per pod whose engine reports its cache, the prompt's leading tokens it holds (empty: none does, no
         tokenizer is set for the group, or callers are isolated from each other's prompts)."""
-        if not settings.kv_events or not settings.tokenizers or settings.prefix_isolation != "shared":
+        if not settings.kv_events or settings.prefix_isolation != "shared":
             return {}
         held = self.held
         reporting = [pod for pod in pods if held.has(pod)]
         if not reporting:
             return {}
-        tokenizer = tokenizer_for(settings.tokenizers, model)
+        tokenizer = self.tokenizer(model, settings)
         if tokenizer is None:
             return {}
         seed = chain_seed(adapter, request_salt(request_kwargs))
@@ -198,6 +199,10 @@ class FleetView:
                     keys = chains[size] = list(chain_keys(seed, ids, size))
                 out[pod] = max(out.get(pod, 0), held.match(pod, keys) * size)
         return out
+
+    def tokenizer(self, model: str, settings: Settings) -> Any:
+        """The model group's tokenizer (`tokenization.PromptTokenizer`), from the settings' files; None: none."""
+        return tokenizer_for(settings.tokenizers, model)
 
     def adapter_known(self, adapter: str) -> bool:
         """Whether `adapter` is one the pods serve: listed in their /v1/models, reported by one of them, or

@@ -14,13 +14,15 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from lora_affinity_plugin.exact_index import ExactIndex
 from lora_affinity_plugin.inflight import merge_shares
+from lora_affinity_plugin.kv_events import EventBatch
 from ..sim.arguments import parse_profiles
 from ..sim.engine import EngineConfig, ReplicaEngine, Sequence
 from ..sim.kv_cache import block_hashes, count_tokens, prompt_text
 from lora_affinity_plugin.podstate import PodMetrics
 from .policies import SHED, Policy, make_policy
-from .prefix_workloads import PrefixWorkload
+from .prefix_workloads import PrefixWorkload, background_text
 from .prompt_shapes import lora_prompt
 from .results import RequestOutcome, Result, summarize_classes
 from .scenarios import SEED_PROMPT, Scenario
@@ -133,6 +135,13 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 for g in range(gateways)]
     for policy in policies:
         policy.discovered(list(scenario.adapters))
+        policy.attach(engines)
+    kv_index = None
+    if any(policy.wants_kv_events for policy in policies):  # the scraper follows the engines' KV events
+        kv_index = ExactIndex()
+        for i, engine in enumerate(engines):
+            engine.pool.events = []
+            kv_index.track(f"r{i}")
     counter = itertools.count()
     heap: list[tuple[float, int, str, object]] = []
 
@@ -220,6 +229,13 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     push(0.0, "scrape")
     if scenario.slowdown is not None:
         push(scenario.slowdown[0], "slowdown", scenario.slowdown[1:])
+    if scenario.background_rate:
+        background = random.Random(f"{seed}-background")
+        at, turn = 0.0, 0
+        while at < scenario.duration_s:
+            at += background.expovariate(scenario.background_rate)
+            push(at, "background", (turn % scenario.replicas, turn))
+            turn += 1
     if gateways > 1:  # the gateways have been sharing before the load starts: they know their peers
         for g, policy in enumerate(policies):
             shares = [share for i, p in enumerate(policies) if i != g and (share := p.share()) is not None]
@@ -237,7 +253,9 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             busy[replica] = False
             result = engines[replica].finish_step(now)
             for seq in result.finished:
-                index = by_seq.pop(id(seq))
+                index = by_seq.pop(id(seq), None)
+                if index is None:
+                    continue  # another client's request, past the gateways
                 _, _, _, req = seqs[index]
                 latency = now - req.arrival
                 for policy in policies:
@@ -261,6 +279,12 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
             last_event = now
             dispatch(now)
         elif kind == "scrape":
+            if kv_index is not None:  # events stream as they happen; the index reaches proxies per interval
+                for i, engine in enumerate(engines):
+                    if engine.pool.events:
+                        kv_index.apply(f"r{i}", EventBatch(now, tuple(engine.pool.events)))
+                        engine.pool.events.clear()
+                push(now + REFRESH_LAG_S, "kv", kv_index.take_changes())
             snapshots = [e.snapshot() for e in engines]
             gpu = [frozenset(e.gpu) for e in engines]
             push(now + REFRESH_LAG_S, "visible", (snapshots, gpu, now))
@@ -282,6 +306,17 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         elif kind == "slowdown":  # what the live simulator's /control endpoint does
             replica, speed = data
             engines[replica].config.speed = speed
+        elif kind == "background":  # another client's request, straight to a replica
+            replica, turn = data
+            engine = engines[replica]
+            body = f"Batch job {seed}-{turn}: " + background_text(seed, turn, scenario.background_tokens)
+            engine.add(Sequence(f"background-{turn}", None, count_tokens(body), 20, arrival=now,
+                                block_hashes=block_hashes(body, None, None, engine.config.block_size),
+                                prompt_text=body), now)
+            kick(replica, now)
+        elif kind == "kv":
+            for policy in policies:
+                policy.kv_changes(data)
         elif kind == "visible":
             snapshots, gpu, scraped_at = data
             for policy in policies:

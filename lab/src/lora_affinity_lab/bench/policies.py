@@ -17,8 +17,11 @@ from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS
 from lora_affinity_plugin.rates import RateTracker, decode_load
 from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, RouteRequest, Shed, choose_pod
 from lora_affinity_plugin.podstate import PodMetrics
+from lora_affinity_plugin.prefixes import request_salt
 from lora_affinity_plugin.settings import Settings, SettingsError, build_settings
 from lora_affinity_plugin.store import PodRecord
+
+from ..sim.kv_cache import ByteTokenizer, prompt_text
 
 BASE_MODEL = "meta-llama/Llama-2-7b-hf"
 SHED = -1
@@ -55,6 +58,15 @@ class Policy:
     def take_prefixes(self) -> list:
         """Index entries this gateway shares with its peers this refresh."""
         return []
+
+    wants_kv_events = False
+    """Routes on the engines' KV events (`kv_changes`): the run records them."""
+
+    def kv_changes(self, changes: dict) -> None:
+        """The scraper's changes to the exact index (`exact_share.PodChange` per pod), as a refresh reads them."""
+
+    def attach(self, engines: list) -> None:
+        """The simulated engines themselves (only a reference that reads their state may use them)."""
 
     def peer_prefixes(self, entries: list) -> None:
         pass
@@ -266,6 +278,62 @@ class Rules(Policy):
         self.fleet.update_peers(share, now)
 
 
+class SimulatorTokenizer:
+    """The simulated engines' tokenization, as a gateway holding their tokenizer would compute it: the chat
+    rendered as the simulator renders it, 3 bytes a token."""
+
+    def candidates(self, messages) -> list[list[int]]:
+        text = prompt_text({"messages": messages})
+        return [[t for block in ByteTokenizer().block_tokens(text, 1) for t in block]]
+
+
+class SimulatedTokenizerFleet(FleetView):
+    def tokenizer(self, model: str, settings: Settings) -> SimulatorTokenizer:
+        return SimulatorTokenizer()
+
+
+class ExactRules(Rules):
+    """The plugin's rules on the exact index its scraper builds from the engines' KV events."""
+
+    wants_kv_events = True
+
+    def __init__(self, replicas: int, rng: random.Random, settings: Settings, name: str) -> None:
+        super().__init__(replicas, rng, settings, name)
+        self.fleet = SimulatedTokenizerFleet(settings)
+
+    def kv_changes(self, changes: dict) -> None:
+        if self.fleet.held.number is None:
+            self.fleet.held.number = 0
+        self.fleet.held.apply(changes)
+
+
+class OracleFleet(FleetView):
+    """Reads every engine's cache at the moment of decision: what no gateway can know (the bound)."""
+
+    engines: list = []
+
+    def exact_matches(self, model, adapter, messages, request_kwargs, pods, settings) -> dict[str, int]:
+        if not messages:
+            return {}
+        text = prompt_text({"messages": messages})
+        salt = request_salt(request_kwargs)
+        out = {}
+        for i, engine in enumerate(self.engines):
+            size = engine.config.block_size
+            hashes = engine.tokenizer.block_hashes(text, adapter, salt, size)
+            out[f"r{i}"] = engine.pool.cached_prefix(hashes) * size
+        return out
+
+
+class OracleRules(Rules):
+    def __init__(self, replicas: int, rng: random.Random, settings: Settings, name: str) -> None:
+        super().__init__(replicas, rng, settings, name)
+        self.fleet = OracleFleet(settings)
+
+    def attach(self, engines: list) -> None:
+        self.fleet.engines = engines
+
+
 class PrefixPartition(Policy):
     """A reference for the hit rate, not a product: each prompt group or session pinned to one pod, round robin."""
 
@@ -298,7 +366,10 @@ SGLANG_CACHE_AWARE = {"rule_set": "sglang-cache-aware", "share_inflight": False,
 """SGLang's router: counts its own requests in flight; a tree per router replica (no mesh)."""
 PREFIX_STRATEGIES = ["simple-shuffle", "least-busy", "gie-v0.2", "llmd-prefix", "sglang-cache-aware",
                      "lora-affinity-noprefix", "lora-affinity-v1", "lora-affinity"]
+EXACT = {"kv_events": True}
+"""The default rules on the exact index (the engines' KV events); the oracle reads the engines' caches instead."""
 RULE_SETS = {"gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
+             "lora-affinity-exact": EXACT, "exact-state-oracle": EXACT,
              "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE,
              "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1"}}
 """Strategies that are the plugin's own code with these settings (in fast mode and live)."""
@@ -310,7 +381,8 @@ def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | 
     if name in simple:
         return simple[name](replicas, rng)
     if name in RULE_SETS:
-        return Rules(replicas, rng, build_settings({**RULE_SETS[name], **(overrides or {})}, environ={}), name)
+        kind = {"lora-affinity-exact": ExactRules, "exact-state-oracle": OracleRules}.get(name, Rules)
+        return kind(replicas, rng, build_settings({**RULE_SETS[name], **(overrides or {})}, environ={}), name)
     raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(policy_names())}")
 
 

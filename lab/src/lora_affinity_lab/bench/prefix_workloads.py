@@ -8,6 +8,9 @@
 - ``mixed``: what a shared LoRA fleet gets: adapters by Zipf popularity, each request one of the LoRA
   prompt shapes (a unique text of 0.5-8 KB, the adapter's instruction plus a question, a short question),
   and a share of arrivals starting multi-turn chats on the base model.
+- ``kv-pressure``: many tenants, each with a long system prompt and a few long documents its requests ask
+  about; the distinct prefixes are several times what the fleet's caches hold, so caches evict all the time
+  and where a prompt was sent says less and less about where it still is.
 - ``multi-turn``: chat sessions of a few apps (each an adapter, or the base model, with its own
   system prompt); every turn resends the whole history (the app's system prompt, the earlier
   questions and the replies received) after a think time. An app's sessions outnumber what one
@@ -66,6 +69,11 @@ def text(rng: random.Random, tokens: int) -> str:
     return " ".join(words)
 
 
+def background_text(seed: int, turn: int, tokens: int) -> str:
+    """Another client's unique long prompt (kv-pressure-shared)."""
+    return text(random.Random(f"{seed}-background-{turn}"), tokens)
+
+
 @dataclass
 class PrefixWorkload:
     """The requests of one run; `follow_up` yields a session's next turn once a reply arrives."""
@@ -84,6 +92,7 @@ class PrefixWorkload:
         count = max(1, round(s.requests / max(1, s.turns))) if sessions else s.requests
         rate = (s.arrival_rate or 1.0) / max(1, s.turns) if sessions else (s.arrival_rate or 1.0)
         weights = [1 / (rank + 1) ** s.zipf_s for rank in range(len(s.adapters))] if s.zipf_s else None
+        tenant_weights = [1 / (rank + 1) ** s.zipf_s for rank in range(s.groups)] if s.zipf_s and s.groups else None
         for i in range(count):
             t += rng.expovariate(rate)
             if s.kind == "mixed":
@@ -102,6 +111,13 @@ class PrefixWorkload:
                                         i, 0)
                 request.sheddable = rng.random() < s.sheddable_share
                 out.append(request)
+            elif s.kind == "kv-pressure":  # many tenants' long prompts: more distinct prefixes than the caches hold
+                tenant = rng.choices(range(s.groups), tenant_weights)[0]
+                doc = rng.randrange(s.documents)
+                content = self._document(tenant, doc) + f"\n\nQuestion {i}: " + text(rng, s.question_tokens)
+                messages = [{"role": "system", "content": self._system(tenant)}, {"role": "user", "content": content}]
+                out.append(self._request(t, s.adapters[tenant % len(s.adapters)], messages,
+                                         tenant * s.documents + doc, 0))
             elif s.kind == "shared-prefix":
                 group = rng.randrange(s.groups)
                 adapter = None if group >= s.groups - s.base_groups else s.adapters[group % len(s.adapters)]
@@ -139,6 +155,10 @@ class PrefixWorkload:
     def _request(self, at: float, adapter: str | None, messages: list[dict], group: int, turn: int) -> PromptRequest:
         index, self._next_index = self._next_index, self._next_index + 1
         return PromptRequest(index, at, adapter, messages, group, self.scenario.max_tokens, turn)
+
+    def _document(self, tenant: int, doc: int) -> str:
+        rng = random.Random(f"document-{tenant}-{doc}")
+        return f"Document {doc} of tenant {tenant}:\n" + text(rng, self.scenario.document_tokens)
 
     def _system(self, key: int) -> str:
         if key not in self._systems:

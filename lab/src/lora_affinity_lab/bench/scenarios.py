@@ -58,6 +58,13 @@ class Scenario:
     slowdown: tuple[float, int, float] | None = None
     """(at simulated second, replica, new speed): a replica that throttles mid-run."""
     chat_share: float = 0.0
+    documents: int = 0
+    """kv-pressure: documents per tenant, each shared by the requests that ask about it."""
+    document_tokens: int = 0
+    background_rate: float = 0.0
+    """Requests per second another client sends straight to the replicas, round robin, past every gateway: unique
+    long prompts that fill and evict caches where no gateway sees it (what only the engines' events tell)."""
+    background_tokens: int = 0
     tenants: int = 0
     """Callers (API keys, two to a team) the requests come from in turn; 0: none named (`prefix_isolation`)."""
     """mixed: the share of arrivals that start a multi-turn chat on the base model."""
@@ -103,6 +110,19 @@ SCENARIOS: dict[str, Scenario] = {
                  turns=4, think_s=5.0, chat_share=0.2, max_tokens=300, mean_output_tokens=120, connections=100_000,
                  deadline_s=120.0, duration_s=90.0, arrival_rate=2.0, rates=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
                  profiles="speed=1;speed=0.5"),
+        Scenario("kv-pressure", "32 tenants (Zipf(1.0) popularity, 4 adapters' worth each of 8 adapters), each with a "
+                 "~1,200-token system prompt and 4 documents of ~2,000 tokens; a request asks about one of its "
+                 "tenant's documents; the distinct prefixes are about 4 times what the fleet's KV caches hold",
+                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
+                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
+                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=2.0,
+                 rates=(0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)),
+        Scenario("kv-pressure-shared", "the kv-pressure traffic on a fleet another client also uses: 0.5 req/s of "
+                 "unique ~2,500-token prompts sent straight to the replicas in turn, past the gateways",
+                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
+                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
+                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
+                 rates=(0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0), background_rate=0.5, background_tokens=2500),
         Scenario("overload", "unique ~1,200-token prompts on 12 adapters, ~40-token answers, two thirds sheddable; "
                  "Poisson arrivals at 1x, 2x and 3x the rate the fleet sustains (1.5 req/s)",
                  kind="overload", question_tokens=1200, max_tokens=100, mean_output_tokens=40, replicas=2,
