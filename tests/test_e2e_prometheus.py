@@ -9,6 +9,7 @@ agree with what the load did, and each alert's expression is quiet.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -43,12 +44,18 @@ def stack(tmp_path_factory):
     procs: list[Proc] = []
     store = redis_server(redis_port, tmp)
     try:
+        events, replay = free_port_range(2), free_port_range(2)  # the replicas publish KV events (the dashboard's lag)
         procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
                                   "--base-port", str(base), "--speed", "5", "--warm-adapters", ",".join(ADAPTERS),
-                                  "--mean-output-tokens", "20"], tmp))
+                                  "--mean-output-tokens", "20", "--kv-events-config", json.dumps(
+                                      {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}",
+                                       "replay_endpoint": f"tcp://*:{replay}"})], tmp))
         for port in pods:
             wait_port(port)
-        config = proxy_config(pods, redis_port)
+        config = proxy_config(pods, redis_port, kv_events=True)
+        for i, deployment in enumerate(config["model_list"]):
+            deployment["model_info"] = {"kv_events_endpoint": f"tcp://127.0.0.1:{events + i}",
+                                        "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"}
         config["litellm_settings"]["callbacks"].insert(0, "prometheus")
         config["litellm_settings"]["require_auth_for_metrics_endpoint"] = False
         path = tmp / "config.yaml"

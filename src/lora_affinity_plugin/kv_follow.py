@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from .exact_index import ExactIndex
 from .exact_share import changes_key, encode_changes, snapshot_key
 from .kv_subscriber import EventEndpoints, KVEventSubscriber
+from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS
 from .pods import deployment_pod
 from .settings import Settings
 
@@ -63,6 +64,12 @@ class KVEventSharing:
         self._number = 0
         self._last_id = "0-0"
         self._next_snapshot = 0.0
+        self._exported: dict[str, int] = {}
+        """What `export` has counted so far, per pod (the streams count from their start)."""
+        for pod in self.endpoints:  # at 0 from the start: an alert's increase() sees the first gap too
+            KV_EVENTS_BATCHES.labels(pod)
+            for outcome in ("replayed", "lost"):
+                KV_EVENTS_GAPS.labels(pod, outcome)
 
     def start(self) -> None:
         if self._task is not None or not self.endpoints:
@@ -71,6 +78,7 @@ class KVEventSharing:
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.subscriber.run(self._stop), name="lora-affinity-kv-events")
         self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
+        self._exported = {}
         logger.info("following the KV events of %d pods", len(self.endpoints))
 
     async def stop(self) -> None:
@@ -80,10 +88,26 @@ class KVEventSharing:
         await asyncio.gather(self._task, return_exceptions=True)
         self._task, self.subscriber = None, None
 
+    def export(self) -> None:
+        """Each pod's stream on the scraper's /metrics: its lag, batches, gaps and index size."""
+        if self.subscriber is None:
+            return
+        for pod, stream in self.subscriber.streams.items():
+            KV_EVENTS_LAG.labels(pod).set(stream.lag_s)
+            batches = KV_EVENTS_BATCHES.labels(pod)
+            batches.inc(max(0, stream.batches - self._exported.get(pod, 0)))
+            self._exported[pod] = stream.batches
+            for outcome, count in (("replayed", stream.gaps - stream.lost), ("lost", stream.lost)):
+                key = f"{pod}\x00{outcome}"
+                KV_EVENTS_GAPS.labels(pod, outcome).inc(max(0, count - self._exported.get(key, 0)))
+                self._exported[key] = count
+            KV_INDEX_BLOCKS.labels(pod).set(self.subscriber.index.size(pod))
+
     async def share(self, client, prefix: str) -> None:
         """This interval's changes into the stream; every few seconds a snapshot the stream continues from."""
         if self.subscriber is None:
             return
+        self.export()
         index = self.subscriber.index
         changes = index.take_changes()
         if changes:

@@ -45,6 +45,8 @@ class PodStream:
     batches: int = 0
     events: int = 0
     gaps: int = 0
+    lost: int = 0
+    """Gaps the replay socket could not fill (the pod no longer buffered them, or did not answer)."""
     replayed: int = 0
     restarts: int = 0
     bad_payloads: int = 0
@@ -146,6 +148,7 @@ class KVEventSubscriber:
         if endpoints.replay is None:
             if not joining:
                 stream.partial = True
+                stream.lost += 1
             return
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -160,6 +163,7 @@ class KVEventSubscriber:
                     if not joining:
                         logger.warning("KV events of %s: no replay from %s within %.0f s; the pod's index is partial",
                                        pod, endpoints.replay, REPLAY_TIMEOUT_S)
+                        stream.lost += 1
                     stream.partial = True
                     return
                 frames = await dealer.recv_multipart()
@@ -171,6 +175,7 @@ class KVEventSubscriber:
                     return
                 if seq != expected and not (joining and expected == first):
                     stream.partial = True  # the pod no longer buffers what was missed
+                    stream.lost += 1
                 if stream.last_seq is not None and seq <= stream.last_seq:
                     continue
                 if joining and seq != 0 and stream.last_seq is None:

@@ -42,3 +42,11 @@ POD_REFUSED = Counter("lora_affinity_pod_connection_refused_total",
                       "Requests that could not connect to the pod (it leaves routing until a later scrape reads it)",
                       ["pod"])
 INFLIGHT_SWEPT = Counter("lora_affinity_inflight_swept_total", "In-flight entries released by the sweeper (no hook ended them)")
+KV_EVENTS_LAG = Gauge("lora_affinity_kv_events_lag_seconds",
+                      "Age of the last KV-event batch applied from the pod (its timestamp against the scraper's clock)",
+                      ["pod"])
+KV_EVENTS_BATCHES = Counter("lora_affinity_kv_events_batches_total", "KV-event batches applied, per pod", ["pod"])
+KV_EVENTS_GAPS = Counter("lora_affinity_kv_events_gaps_total",
+                         "Gaps in a pod's event sequence, by outcome: replayed (filled from its replay socket) or lost "
+                         "(its index is partial until the pod clears its cache)", ["pod", "outcome"])
+KV_INDEX_BLOCKS = Gauge("lora_affinity_kv_index_blocks", "Blocks the exact index holds for the pod", ["pod"])
