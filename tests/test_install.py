@@ -64,3 +64,17 @@ def test_the_runtime_never_imports_the_lab():
             "print(sorted(m for m in sys.modules if m.startswith('lora_affinity_lab')))")
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_the_proxy_needs_neither_zeromq_nor_msgpack():
+    """KV events are the scraper's (the `kv-events` extra): a proxy, even with `kv_events` on, loads neither, and
+    the scraper loads them only when the setting is on."""
+    code = ("import sys, lora_affinity_plugin.proxy_callback, lora_affinity_plugin.follower, lora_affinity_plugin.fleet; "
+            "from lora_affinity_plugin.scraper import Scraper; from lora_affinity_plugin.settings import build_settings; "
+            "Scraper.for_config(build_settings({}, environ={}), [{'model_name': 'm', 'litellm_params': "
+            "{'model': 'hosted_vllm/m', 'api_base': 'http://10.0.0.1:8000/v1'}}]); "
+            "print(sorted(m for m in ('zmq', 'msgspec') if m in sys.modules))")
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+    assert {"pyzmq", "msgspec"} <= {r.split(">")[0].strip().lower() for r in
+                                   importlib.metadata.requires("lora-affinity-plugin") or [] if 'extra == "kv-events"' in r}

@@ -162,3 +162,10 @@ async def _follow_the_replica(base, pub, replay, token_ids):
     finally:
         stop.set()
         await follow
+
+
+def test_the_kv_events_benchmark_keeps_up_with_a_small_fleet():
+    from procs import run_cli
+
+    out = run_cli(["bench", "--scenario", "kv-events", "--pods", "4", "--seconds", "1"])
+    assert "lost 0" in out and "kept up" in out, out

@@ -42,16 +42,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-shape", choices=["seed", "unique", "instruction", "mix"], default=None,
                         help="LoRA scenarios: the seed's question, a unique text per request, a "
                              "per-adapter instruction plus the question, or the three in turn")
-    parser.add_argument("--pods", type=int, default=256, help="scrape-scale: simulated replicas")
+    parser.add_argument("--pods", type=int, default=256, help="scrape-scale and kv-events: simulated replicas")
     parser.add_argument("--pods-blocks", help="index-memory: PODSxGPU_BLOCKS,... (default 6x700,64x100000)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="scrape-scale: how long each variant runs")
+    parser.add_argument("--seconds", type=float, default=10.0, help="scrape-scale: how long each variant runs; kv-events: how long the publishers send")
     parser.set_defaults(func=run_bench)
 
 
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "host-cost", "index-memory", "slowdown", *SCENARIOS]
+    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "host-cost", "index-memory", "kv-events", "slowdown", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -71,6 +71,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .index_memory import run_index_memory
 
         return run_index_memory(args)
+    if args.scenario == "kv-events":
+        from .kv_events_scale import run_kv_events
+
+        return run_kv_events(args)
     if args.scenario == "soak":
         from .soak import run_soak
 

@@ -1,0 +1,144 @@
+"""`lora-affinity bench --scenario kv-events`: one subscriber against many pods' KV events.
+
+A separate process runs `--pods` publishers (the simulator's, over TCP on this machine), each sending as fast as
+it can batches like a busy engine's: a few blocks of 16 tokens stored, as many of its older blocks removed. The
+subscriber (the scraper's, in this process) follows them all for `--seconds`. Printed: the events it applied
+per second against the rate the simulated fleet publishes at its highest prefill rate, the batches it lost, the
+exact index's memory with every pod's cache full, and the Redis bytes the proxies read per interval (change
+sets) and on a reload (the snapshot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import time
+import tracemalloc
+
+from lora_affinity_plugin.exact_index import ExactIndex
+from lora_affinity_plugin.exact_share import encode_changes
+from lora_affinity_plugin.kv_events import BlockRemoved, BlockStored, EventBatch
+from lora_affinity_plugin.kv_subscriber import EventEndpoints, KVEventSubscriber
+from lora_affinity_plugin.podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN
+
+BLOCK = 16
+BLOCKS_PER_BATCH = 8
+CACHE_BLOCKS = 7_000
+"""A 7B model's KV cache on an 80 GB GPU, in blocks of 16 tokens (what `index-memory` assumes too)."""
+
+
+def _blocks(pod: int, n: int) -> list[int]:
+    return [pod * 10_000_000 + i for i in range(n)]
+
+
+def _publish(ports: list[tuple[int, int]], seconds: float, ready) -> None:
+    """Each publisher stores BLOCKS_PER_BATCH new blocks per batch and removes as many old ones, in turn."""
+    from lora_affinity_lab.sim.kv_publisher import KVEventPublisher, KVEventsConfig
+
+    async def main() -> None:
+        publishers = [KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}",
+                                                      buffer_steps=1_000)) for p, r in ports]
+        replays = [asyncio.create_task(p.serve_replay()) for p in publishers]
+        ready.set()
+        await asyncio.sleep(1.0)  # the subscriber connects
+        tokens = tuple(range(BLOCK * BLOCKS_PER_BATCH))
+        step = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for i, publisher in enumerate(publishers):
+                first = step * BLOCKS_PER_BATCH
+                hashes = tuple(i * 10_000_000 + first + j for j in range(BLOCKS_PER_BATCH))
+                events = [BlockStored(hashes, None, tokens, BLOCK, None, "GPU", f"adapter-{step % 8}")]
+                if first >= CACHE_BLOCKS:
+                    events.append(BlockRemoved(tuple(h - CACHE_BLOCKS for h in hashes), "GPU"))
+                publisher.publish(events)
+            step += 1
+            if step % 16 == 0:
+                await asyncio.sleep(0)  # the replay sockets get a turn
+        await asyncio.sleep(2.0)
+        for task in replays:
+            task.cancel()
+        for publisher in publishers:
+            publisher.close()
+
+    asyncio.run(main())
+
+
+def fleet_event_rate(pods: int) -> float:
+    """Block events per second a fleet of `pods` publishes at the simulator's highest prefill rate: every step a
+    prefill of max_num_batched_tokens (4,096) tokens, each full block stored and, with the cache full, as many
+    removed."""
+    tokens = 4_096
+    step_s = PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * tokens
+    return pods * 2 * (tokens / BLOCK) / step_s
+
+
+async def _follow(ports: list[tuple[int, int]], seconds: float) -> KVEventSubscriber:
+    endpoints = {f"pod-{i}": EventEndpoints(f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}")
+                 for i, (p, r) in enumerate(ports)}
+    subscriber = KVEventSubscriber(endpoints, ExactIndex())
+    stop = asyncio.Event()
+    task = asyncio.create_task(subscriber.run(stop))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await task
+    return subscriber
+
+
+def _index_memory(pods: int) -> tuple[float, int, int]:
+    """MB the exact index takes with every pod's cache full, the snapshot's bytes, and one interval's change set
+    at the fleet's highest prefill rate."""
+    tracemalloc.start()
+    index = ExactIndex()
+    tokens = tuple(range(BLOCK * BLOCKS_PER_BATCH))
+    for pod in range(pods):
+        for first in range(0, CACHE_BLOCKS, BLOCKS_PER_BATCH):
+            hashes = tuple(pod * 10_000_000 + first + j for j in range(BLOCKS_PER_BATCH))
+            index.apply(f"pod-{pod}", EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None, "GPU",
+                                                                   f"adapter-{first}"),)))
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    index.take_changes()
+    snapshot = len(encode_changes(index.snapshot()))
+    per_interval = int(fleet_event_rate(pods) * 0.2 / 2)  # stored in 200 ms; as many removed
+    for pod in range(pods):
+        for first in range(CACHE_BLOCKS, CACHE_BLOCKS + per_interval // pods, BLOCKS_PER_BATCH):
+            hashes = tuple(pod * 10_000_000 + first + j for j in range(BLOCKS_PER_BATCH))
+            index.apply(f"pod-{pod}", EventBatch(0.0, (
+                BlockStored(hashes, None, tokens, BLOCK, None, "GPU", f"adapter-{first}"),
+                BlockRemoved(tuple(h - CACHE_BLOCKS for h in hashes), "GPU"))))
+    return size / 1e6, snapshot, len(encode_changes(index.take_changes()))
+
+
+def run_kv_events(args: argparse.Namespace) -> int:
+    from lora_affinity_lab.processes import free_port_range
+
+    pods, seconds = args.pods, args.seconds
+    base, replay = free_port_range(pods), free_port_range(pods)
+    ports = [(base + i, replay + i) for i in range(pods)]
+    ready = multiprocessing.Event()
+    publisher = multiprocessing.Process(target=_publish, args=(ports, seconds, ready), daemon=True)
+    publisher.start()
+    ready.wait(30)
+    started = time.monotonic()
+    subscriber = asyncio.run(_follow(ports, seconds + 1.5))
+    elapsed = time.monotonic() - started
+    publisher.join(10)
+    streams = subscriber.streams.values()
+    events = sum(s.events for s in streams)
+    applied = sum(s.batches for s in streams)
+    lost = sum(s.lost for s in streams)
+    print(f"kv-events: {pods} publishers in another process for {seconds:g} s, one subscriber in this one")
+    print(f"  batches applied {applied}, block events {events * BLOCKS_PER_BATCH:,} "
+          f"({events * BLOCKS_PER_BATCH / elapsed:,.0f}/s); gaps {sum(s.gaps for s in streams)}, "
+          f"replayed {sum(s.replayed for s in streams)}, lost {lost}")
+    need = fleet_event_rate(pods)
+    rate = events * BLOCKS_PER_BATCH / elapsed
+    print(f"  the simulated fleet's highest prefill rate publishes {need:,.0f} block events/s: "
+          f"{'kept up' if rate >= need else 'fell behind'} ({rate / need:.2f}x)")
+    memory, snapshot, interval = _index_memory(pods)
+    print(f"  exact index with {pods} pods x {CACHE_BLOCKS:,} blocks: {memory:.0f} MB in the scraper; a proxy's "
+          f"snapshot read {snapshot / 1e6:.1f} MB; one 200 ms interval's change set at that rate {interval / 1e3:.0f} KB "
+          f"({interval * 5 / 1e6:.1f} MB/s per proxy)")
+    return 0 if lost == 0 else 1
