@@ -78,3 +78,13 @@ def test_the_proxy_needs_neither_zeromq_nor_msgpack():
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
     assert {"pyzmq", "msgspec"} <= {r.split(">")[0].strip().lower() for r in
                                    importlib.metadata.requires("lora-affinity-plugin") or [] if 'extra == "kv-events"' in r}
+
+
+def test_kv_events_without_the_extra_name_it():
+    code = ("import sys; sys.modules['zmq'] = None; from lora_affinity_plugin.scraper import Scraper; "
+            "from lora_affinity_plugin.settings import build_settings\n"
+            "try:\n    Scraper.for_config(build_settings({'kv_events': True}, environ={}), [])\n"
+            "except ValueError as exc:\n    print(exc)")
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    assert "kv_events: following the pods' KV events needs the kv-events extra" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "pip install 'lora-affinity-plugin[kv-events]'" in out.stdout

@@ -131,14 +131,17 @@ class Scraper:
     @classmethod
     def for_config(cls, settings: Settings, model_list: Sequence[Mapping[str, Any]], redis_client=None) -> "Scraper":
         """The scraper of a proxy config's `model_list`: its candidate pods, their engines, who gets the token.
-        ValueError names a bad `model_info.engine`."""
+        ValueError names a bad `model_info.engine`, or `kv_events` without the extra it needs."""
         model_list = list(model_list)
         marks = pod_marks(model_list)
         pods = discover_pods(model_list, marks)
         kv_events = None
         if settings.kv_events:
-            from .kv_follow import KVEventSharing, event_endpoints  # needs the kv-events extra
-
+            try:
+                from .kv_follow import KVEventSharing, event_endpoints
+            except ImportError as exc:
+                raise ValueError(f"kv_events: following the pods' KV events needs the kv-events extra "
+                                 f"(pip install 'lora-affinity-plugin[kv-events]'): {exc}") from None
             kv_events = KVEventSharing(event_endpoints(model_list, pods, settings))
         return cls(settings, pods, redis_client, engines=pod_engines(model_list, settings.default_engine),
                    token_pods=token_pods(pods, marks, settings.metrics_token_pods),
