@@ -169,3 +169,26 @@ def test_the_kv_events_benchmark_keeps_up_with_a_small_fleet():
 
     out = run_cli(["bench", "--scenario", "kv-events", "--pods", "4", "--seconds", "1"])
     assert "lost 0" in out and "kept up" in out, out
+
+
+def test_a_chats_ids_are_the_whole_renders_with_its_head_tokenized_once(tmp_path):
+    from lora_affinity_plugin.tokenization import PromptTokenizer
+
+    _train_tokenizer(tmp_path / "tokenizer.json")
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    (tmp_path / "chat.jinja").write_text(template)
+    tokenizer = PromptTokenizer(str(tmp_path / "tokenizer.json"), str(tmp_path / "chat.jinja"))
+    from tokenizers import Tokenizer
+
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    system = "You are the travel assistant. " + "travel rules answer the question. " * 80
+    for question in ("where to?", "and the weather there", " a leading space", "user system\n\nnewlines"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        rendered = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        (ids,) = tokenizer.candidates(messages)
+        assert ids == whole.encode(rendered, add_special_tokens=False).ids, question
+    assert sum(1 for text, _ in tokenizer._heads if text.endswith(system)) == 1  # the head, tokenized once
+    seed = chain_seed("travel-lora", None)
+    (keys,) = tokenizer.chains(seed, messages, BS)
+    assert keys == list(chain_keys(seed, ids, BS))  # the head's keys kept, the rest chained on from them

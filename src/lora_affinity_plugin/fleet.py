@@ -29,7 +29,7 @@ from .prefixes import instructions_blocks, is_later_turn, placement_key, prompt_
 from .scheduling import Candidate, RouteRequest
 from .settings import Settings
 from .store import PodRecord
-from .token_blocks import chain_keys, chain_seed
+from .token_blocks import chain_seed
 from .tokenization import tokenizer_for
 
 _DEFAULT_SLOTS = 4
@@ -190,14 +190,18 @@ class FleetView:
             return {}
         seed = chain_seed(adapter, request_salt(request_kwargs))
         out: dict[str, int] = {}
-        for ids in tokenizer.candidates(messages):
-            chains: dict[int, list[int]] = {}
-            for pod in reporting:
-                size = held.block_size(pod) or 16
-                keys = chains.get(size)
-                if keys is None:
-                    keys = chains[size] = list(chain_keys(seed, ids, size))
-                out[pod] = max(out.get(pod, 0), held.match(pod, keys) * size)
+        chains: dict[int, list[list[int]]] = {}
+        for pod in reporting:
+            size = held.block_size(pod) or 16
+            readings = chains.get(size)
+            if readings is None:
+                readings = chains[size] = tokenizer.chains(seed, messages, size)
+            best = 0
+            for keys in readings:  # (one reading but for a single user message)
+                held_blocks = held.match(pod, keys)
+                if held_blocks > best:
+                    best = held_blocks
+            out[pod] = best * size
         return out
 
     def tokenizer(self, model: str, settings: Settings) -> Any:

@@ -18,6 +18,7 @@ from lora_affinity_plugin.rates import RateTracker, decode_load
 from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, RouteRequest, Shed, choose_pod
 from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.prefixes import request_salt
+from lora_affinity_plugin.token_blocks import chain_keys
 from lora_affinity_plugin.settings import Settings, SettingsError, build_settings
 from lora_affinity_plugin.store import PodRecord
 
@@ -282,9 +283,9 @@ class SimulatorTokenizer:
     """The simulated engines' tokenization, as a gateway holding their tokenizer would compute it: the chat
     rendered as the simulator renders it, 3 bytes a token."""
 
-    def candidates(self, messages) -> list[list[int]]:
+    def chains(self, seed: int, messages, block_size: int) -> list[list[int]]:
         text = prompt_text({"messages": messages})
-        return [[t for block in ByteTokenizer().block_tokens(text, 1) for t in block]]
+        return [list(chain_keys(seed, [t for b in ByteTokenizer().block_tokens(text, 1) for t in b], block_size))]
 
 
 class SimulatedTokenizerFleet(FleetView):
