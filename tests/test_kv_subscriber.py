@@ -70,20 +70,29 @@ async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the
     follow = asyncio.create_task(subscriber.run(stop))
     stream = subscriber.streams["p"]
     try:
-        prompts = [[i * 1000 + t for t in range(BS)] for i in range(1100)]
+        prompts = [[i * 1000 + t for t in range(BS)] for i in range(1200)]
         publisher.publish([stored([10_000], None, prompts[0])])
-        await _until(lambda: stream.last_seq == 0)  # (the SUB socket is connected once the first one arrives)
-        publisher.dropped_next = 1000  # batches 1..1000 reach only the replay buffer
-        for i in range(1, 1001):
+        seq = 0
+        while True:  # until a batch arrives live: a SUB socket misses what is sent before it has connected
+            await _until(lambda: stream.last_seq == seq)
+            if stream.batches > stream.replayed:
+                break
+            seq += 1
+            publisher.publish([stored([10_000 + seq], None, prompts[seq])])
+            await asyncio.sleep(0.05)
+        first = seq + 1
+        publisher.dropped_next = 1000  # the next 1,000 batches reach only the replay buffer
+        for i in range(first, first + 1000):
             publisher.publish([stored([10_000 + i], None, prompts[i])])
-        publisher.publish([stored([20_000], None, prompts[1001])])  # batch 1001: the gap shows
-        await _until(lambda: stream.last_seq == 1001)
+        last = first + 1000
+        publisher.publish([stored([10_000 + last], None, prompts[last])])  # the gap shows
+        await _until(lambda: stream.last_seq == last)
         assert stream.gaps == 1 and stream.replayed >= 1000 and not stream.partial
-        assert all(subscriber.index.match("p", keys(prompts[i])) == 1 for i in range(1002))
+        assert all(subscriber.index.match("p", keys(prompts[i])) == 1 for i in range(last + 1))
         publisher.restart()  # sequence 0 again, AllBlocksCleared first
-        publisher.publish([stored([30_000], None, prompts[1050])])
+        publisher.publish([stored([30_000], None, prompts[1150])])
         await _until(lambda: stream.restarts == 1 and stream.last_seq == 1)
-        assert subscriber.index.size("p") == 1 and subscriber.index.match("p", keys(prompts[1050])) == 1
+        assert subscriber.index.size("p") == 1 and subscriber.index.match("p", keys(prompts[1150])) == 1
     finally:
         stop.set()
         await follow

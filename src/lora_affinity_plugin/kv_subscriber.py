@@ -3,8 +3,10 @@
 Each batch carries its sequence number. In order, a batch is applied to the `ExactIndex`. A gap (a message
 lost, a slow subscriber past the publisher's high-water mark) asks the pod's replay socket for everything
 from the first missing number, applies that, and goes on; what the pod no longer buffers is lost, and the
-pod is marked `partial` until its cache is known whole again (an `AllBlocksCleared`). A sequence that starts
-over is a restarted server: its blocks are forgotten. Runs in the scraper worker that holds the lease.
+pod is marked `partial` until its cache is known whole again (an `AllBlocksCleared`). A pod quiet for a second
+is asked for anything after its last batch, so a lost last message is not missed until the next one. A
+sequence that starts over is a restarted server: its blocks are forgotten. Runs in the scraper worker that
+holds the lease.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from .kv_events import END_SEQ, AllBlocksCleared, KVEventFormatError, decode_bat
 
 logger = logging.getLogger("lora_affinity.kv_events")
 
+CATCH_UP_AFTER_S = 1.0
+"""A pod silent this long is asked for anything after its last batch (one small request to its replay socket)."""
 REPLAY_TIMEOUT_S = 2.0
 """How long a replay may take before the pod's index is marked partial and the stream followed on."""
 
@@ -82,9 +86,17 @@ class KVEventSubscriber:
             # What the pod buffered before this subscriber connected: its whole history when it still holds
             # batch 0 (then the index is exact from the start).
             await self._replay(pod, endpoints, stream, 0, joining=True)
+            quiet_since = time.monotonic()
             while not stop.is_set():
                 if not await sub.poll(200):
+                    if time.monotonic() - quiet_since >= CATCH_UP_AFTER_S:
+                        # Nothing for a while: ask for anything after the last batch, in case the last ones were
+                        # lost (a subscriber still connecting, a dropped message) and no later one shows the gap.
+                        await self._replay(pod, endpoints, stream, 0 if stream.last_seq is None else stream.last_seq + 1,
+                                           joining=stream.last_seq is None, catch_up=True)
+                        quiet_since = time.monotonic()
                     continue
+                quiet_since = time.monotonic()
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     stream.bad_payloads += 1
@@ -143,10 +155,11 @@ class KVEventSubscriber:
         stream.lag_s = max(0.0, stream.last_at - batch.ts)
 
     async def _replay(self, pod: str, endpoints: EventEndpoints, stream: PodStream, first: int,
-                      joining: bool = False) -> None:
-        """Apply the pod's buffered batches from `first` on; a missing start marks the index partial."""
+                      joining: bool = False, catch_up: bool = False) -> None:
+        """Apply the pod's buffered batches from `first` on; a missing start marks the index partial. `catch_up`:
+        a check on a quiet pod, which finds nothing most of the time (no answer is no loss)."""
         if endpoints.replay is None:
-            if not joining:
+            if not joining and not catch_up:
                 stream.partial = True
                 stream.lost += 1
             return
@@ -160,6 +173,8 @@ class KVEventSubscriber:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await dealer.poll(int(left * 1000)):
+                    if catch_up:
+                        return
                     if not joining:
                         logger.warning("KV events of %s: no replay from %s within %.0f s; the pod's index is partial",
                                        pod, endpoints.replay, REPLAY_TIMEOUT_S)
