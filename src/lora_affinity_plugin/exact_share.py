@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from array import array
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 FORMAT = b"K1"
 _POD = struct.Struct("<HBHII")
@@ -118,3 +118,27 @@ class HeldBlocks:
                 break
             n += 1
         return n
+
+
+def apply_entries(held: HeldBlocks, epoch: bytes, entries: Iterable[tuple[Any, Mapping[bytes, bytes]]]) -> str | None:
+    """The stream's change sets, in order, onto `held` (a proxy's refresh, `explain`): returns the id of the last
+    one applied (None: none). A number out of turn, another epoch (a new scraper) or an unreadable entry leaves
+    `held.number` None: load the snapshot again."""
+    last = None
+    for entry_id, fields in entries:
+        if held.number is None:
+            break
+        number = int(fields.get(b"n", -1))
+        if fields.get(b"e") != epoch or number != held.number + 1:
+            if fields.get(b"e") == epoch and number <= held.number:
+                continue  # (written before the snapshot this copy loaded)
+            held.number = None
+            break
+        try:
+            held.apply(decode_changes(fields[b"c"]))
+        except (KeyError, ValueError):
+            held.number = None
+            break
+        held.number = number
+        last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return last

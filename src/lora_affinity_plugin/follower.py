@@ -17,7 +17,7 @@ from typing import Callable
 from .clock import RedisClock, redis_seconds
 
 from .discovery import decode_served, served_models_key
-from .exact_share import changes_key, decode_changes, snapshot_key
+from .exact_share import apply_entries, changes_key, decode_changes, snapshot_key
 from .episodes import Episode
 from .fleet import FleetView
 from .inflight import (
@@ -218,22 +218,9 @@ class Follower:
         except Exception as exc:
             self._redis_down.fail(type(exc).__name__)
             return
-        for entry_id, fields in entries:
-            if held.number is None:
-                return
-            number = int(fields.get(b"n", -1))
-            if fields.get(b"e") != self.kv_epoch or number != held.number + 1:
-                if fields.get(b"e") == self.kv_epoch and number <= held.number:
-                    continue  # (written before the snapshot this process loaded)
-                held.number = None  # a change set missed, or a new scraper: the snapshot again next refresh
-                return
-            try:
-                held.apply(decode_changes(fields[b"c"]))
-            except (KeyError, ValueError):
-                held.number = None
-                return
-            held.number = number
-            self.kv_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        last = apply_entries(held, self.kv_epoch, entries)
+        if last is not None:
+            self.kv_id = last
 
     def _sweep(self) -> None:
         swept = self.fleet.sweep(time.time() - self.settings.inflight_timeout_ms / 1000)

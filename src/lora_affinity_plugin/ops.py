@@ -25,7 +25,7 @@ from .fleet import FleetView
 from .inflight import prefix_stream_key, read_shared_tables
 from .lease import lease_key
 from .pods import discover_pods
-from .exact_share import changes_key, decode_changes, snapshot_key
+from .exact_share import apply_entries, changes_key, decode_changes, snapshot_key
 from .prefix_index import decode_entries
 from .profiles import BUILT_IN, STEP_KINDS, describe, part_names
 from .scheduling import SchedulingError, choose_pod
@@ -356,10 +356,7 @@ def _load_exact_index(client: redis.Redis, fleet: FleetView, settings: Settings)
     if not snap:
         return
     fleet.held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
-    for _, fields in client.xrange(changes_key(settings.key_prefix), min=snap[b"i"].decode()):
-        if fields.get(b"e") == snap[b"e"] and int(fields.get(b"n", -1)) == fleet.held.number + 1:
-            fleet.held.apply(decode_changes(fields[b"c"]))
-            fleet.held.number += 1
+    apply_entries(fleet.held, snap[b"e"], client.xrange(changes_key(settings.key_prefix), min=snap[b"i"].decode()))
 
 
 def _replay_shared_prefixes(client: redis.Redis, fleet: FleetView, settings: Settings) -> None:
