@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from .exact_index import ExactIndex
@@ -66,20 +66,23 @@ class KVEventSharing:
         self._next_snapshot = 0.0
         self._exported: dict[str, int] = {}
         """What `export` has counted so far, per pod (the streams count from their start)."""
-        for pod in self.endpoints:  # at 0 from the start: an alert's increase() sees the first gap too
-            KV_EVENTS_BATCHES.labels(pod)
-            for outcome in ("replayed", "lost"):
-                KV_EVENTS_GAPS.labels(pod, outcome)
 
-    def start(self) -> None:
-        if self._task is not None or not self.endpoints:
+    def start(self, proven: Collection[str]) -> None:
+        """Follow the proven pods' events (a hosted provider's api_base is never proven: it gets no connection)."""
+        if self._task is not None:
+            for pod in proven:
+                if pod in self.endpoints:
+                    self.subscriber.add(pod, self.endpoints[pod])
             return
-        self.subscriber = KVEventSubscriber(self.endpoints, ExactIndex())
+        followed = {pod: ep for pod, ep in self.endpoints.items() if pod in proven}
+        if not followed:
+            return
+        self.subscriber = KVEventSubscriber(followed, ExactIndex())
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.subscriber.run(self._stop), name="lora-affinity-kv-events")
         self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
         self._exported = {}
-        logger.info("following the KV events of %d pods", len(self.endpoints))
+        logger.info("following the KV events of %d pods", len(followed))
 
     async def stop(self) -> None:
         if self._task is None:
@@ -89,7 +92,8 @@ class KVEventSharing:
         self._task, self.subscriber = None, None
 
     def export(self) -> None:
-        """Each pod's stream on the scraper's /metrics: its lag, batches, gaps and index size."""
+        """Each followed pod's stream on the scraper's /metrics: its lag, batches, gaps and index size (the counters
+        exported from 0, so an alert's increase() sees the first gap too)."""
         if self.subscriber is None:
             return
         for pod, stream in self.subscriber.streams.items():

@@ -66,15 +66,27 @@ class KVEventSubscriber:
         self.index = index or ExactIndex()
         self.streams: dict[str, PodStream] = {pod: PodStream() for pod in endpoints}
         self._ctx = context or zmq.asyncio.Context.instance()
+        self._stop: asyncio.Event | None = None
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def add(self, pod: str, endpoints: EventEndpoints) -> None:
+        """Follow one more pod (one the scraper has just proven), now if running, else from `run`."""
+        if pod in self.endpoints:
+            return
+        self.endpoints[pod] = endpoints
+        self.streams[pod] = PodStream()
+        if self._stop is not None:
+            self._tasks[pod] = asyncio.create_task(self._follow(pod, endpoints, self._stop))
 
     async def run(self, stop: asyncio.Event) -> None:
-        tasks = [asyncio.create_task(self._follow(pod, ep, stop)) for pod, ep in self.endpoints.items()]
+        self._stop = stop
+        self._tasks = {pod: asyncio.create_task(self._follow(pod, ep, stop)) for pod, ep in self.endpoints.items()}
         try:
             await stop.wait()
         finally:
-            for task in tasks:
+            for task in self._tasks.values():
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def _follow(self, pod: str, endpoints: EventEndpoints, stop: asyncio.Event) -> None:
         sub = self._ctx.socket(zmq.SUB)

@@ -223,7 +223,7 @@ class Scraper:
         if not self.leader:
             await self.kv_events.stop()
             return
-        self.kv_events.start()
+        self.kv_events.start(self.proven)
         try:
             await self.kv_events.share(self._redis, self.settings.key_prefix)
         except Exception as exc:  # the next interval writes again (a proxy that misses a number reloads)
