@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence, Union
 
 from .cost import CostParts
@@ -28,6 +29,10 @@ from .prefixes import rendezvous
 
 if TYPE_CHECKING:
     from .settings import Settings
+
+NO_SOURCES: Mapping[str, str] = MappingProxyType({})
+"""No pod's match came from its engine's events (shared: a request builds none)."""
+
 
 @dataclass(slots=True)
 class Candidate:

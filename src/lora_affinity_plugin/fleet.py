@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .cost import relative_slowness
 from .podstate import DEFAULT_RATES
 from .inflight import Dispatch, InFlight, PeerShare
+from .decision import NO_SOURCES
 from .exact_share import HeldBlocks
 from .prefix_index import PrefixIndex
 from .prefixes import instructions_blocks, is_later_turn, placement_key, prompt_prefix, request_salt
@@ -156,24 +157,33 @@ class FleetView:
             return RouteRequest(adapter, sheddable, placement_key=placement_key(scope, ()), gateways=gateways,
                                 home=home, dealt_adapters=dealt)
         matches = self.prefixes.matches(hashes, pods)
-        sources: dict[str, str] = {}
-        exact = self.exact_matches(model or scope, adapter, messages, request_kwargs, pods, settings)
-        if exact:
-            matches = dict(matches)
-            per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
-            for pod, tokens in exact.items():
-                blocks = min(len(hashes), int(tokens / per_block))
-                if blocks:
-                    matches[pod] = blocks
-                else:
-                    matches.pop(pod, None)
-                sources[pod] = "exact"
+        sources = NO_SOURCES
+        if settings.kv_events:  # (read once: the request path of a fleet without events pays nothing more)
+            matches, sources = self._with_exact(matches, len(hashes), model or scope, adapter, messages,
+                                                request_kwargs, pods, settings)
         return RouteRequest(
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
             prefix_matches=matches, match_sources=sources, prefix_hashes=hashes,
             prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
             instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
             later_turn=adapter is None and is_later_turn(messages))  # only a base-model turn reads it
+
+    def _with_exact(self, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None, messages: Any,
+                    request_kwargs: Any, pods: Iterable[str], settings: Settings
+                    ) -> tuple[Mapping[str, int], Mapping[str, str]]:
+        """`matches` with the reporting pods' exact figures in the prefix blocks' unit, and which pods those are."""
+        exact = self.exact_matches(model, adapter, messages, request_kwargs, pods, settings)
+        if not exact:
+            return matches, NO_SOURCES
+        matches = dict(matches)
+        per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+        for pod, tokens in exact.items():
+            held = min(blocks, int(tokens / per_block))
+            if held:
+                matches[pod] = held
+            else:
+                matches.pop(pod, None)
+        return matches, dict.fromkeys(exact, "exact")
 
     def exact_matches(self, model: str, adapter: str | None, messages: Any, request_kwargs: Any,
                       pods: Iterable[str], settings: Settings) -> dict[str, int]:
