@@ -519,3 +519,20 @@ def test_an_unseen_long_prompt_goes_to_a_holder_of_its_adapter_that_admits_it_at
     # Nobody admits it at once (both queued): the rule passes its input on, and the load band decides.
     both = [queued, replace(roomy, waiting=2, reported_waiting=2), full]
     assert choose_pod(both, unseen, S, random.Random(1)).pod == "a"
+
+
+def test_a_large_prompt_leaves_its_prefix_holder_when_that_cache_has_no_room_for_it():
+    """kv-pressure: a tenant's ~3,300-token document on a replica whose 11,200-token cache its running requests
+    fill waits for whole requests to end (seconds), where recomputing the prefix elsewhere takes a fraction of a
+    second. The holder keeps it while it has room, and a small prompt keeps its holder: room for it frees as soon
+    as any request ends."""
+    full = replace(pod("a", running=6, adapters={"sql"}), kv_free_tokens=100, kv_cache_tokens=11_200)
+    idle = replace(pod("b", running=1, adapters={"ner"}), kv_free_tokens=9_000, kv_cache_tokens=11_200)
+    large = RouteRequest("sql", prefix_blocks=40, prefix_matches={"a": 38}, placement_key=7)  # 2,560 tokens: 23%
+    assert choose_pod([full, idle], large, S, random.Random(1)).pod == "b"
+    roomy_holder = replace(full, kv_free_tokens=3_000)
+    assert choose_pod([roomy_holder, idle], large, S, random.Random(1)).pod == "a"
+    small = RouteRequest("sql", prefix_blocks=12, prefix_matches={"a": 11}, placement_key=7)  # 768 tokens: 7%
+    assert choose_pod([full, idle], small, S, random.Random(1)).pod == "a"
+    unknown_size = replace(full, kv_cache_tokens=None)  # a page that does not say how big the cache is
+    assert choose_pod([unknown_size, idle], large, S, random.Random(1)).pod == "a"

@@ -311,6 +311,7 @@ class FleetView:
             for adapter in sorted(active):
                 _touch(state.resident, adapter, slots)
             resident = frozenset(state.resident)
+        size = metrics.num_gpu_blocks * metrics.block_size if metrics.num_gpu_blocks and metrics.block_size else None
         return Candidate(
             key=state.record.pod,
             waiting=metrics.num_requests_waiting,
@@ -321,8 +322,8 @@ class FleetView:
             max_lora=metrics.max_lora,
             reported_waiting=metrics.num_requests_waiting,
             rates=state.record.rates or DEFAULT_RATES,
-            kv_free_tokens=int((1 - metrics.kv_cache_usage) * metrics.num_gpu_blocks * metrics.block_size)
-            if metrics.num_gpu_blocks and metrics.block_size else None,
+            kv_free_tokens=None if size is None else int((1 - metrics.kv_cache_usage) * size),
+            kv_cache_tokens=size,
         )
 
     def _memory(self, max_lora: int | None) -> int:

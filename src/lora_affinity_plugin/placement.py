@@ -36,6 +36,20 @@ def admits_now(p: Candidate, tokens: float) -> bool:
     return p.reported_waiting == 0 and (p.kv_free_tokens is None or p.kv_free_tokens >= tokens)
 
 
+LARGE_PROMPT_SHARE = 0.2
+"""A prompt this share of a pod's KV cache or more is large there: when the cache is full, room for it frees only as
+whole running requests end."""
+
+
+def waits_for_room(p: Candidate, prompt_tokens: float, uncached_tokens: float) -> bool:
+    """The pod's cache (at its scrape) has no room for the `uncached_tokens` it must compute, and the prompt is large
+    there (`LARGE_PROMPT_SHARE`): it waits for running requests to end, seconds, not one step. A small prompt finds
+    room as soon as any request ends."""
+    free, size = p.kv_free_tokens, p.kv_cache_tokens
+    return (free is not None and size is not None and uncached_tokens > free
+            and prompt_tokens >= LARGE_PROMPT_SHARE * size)
+
+
 def pod_cost(p: Candidate, request: RouteRequest, settings: Settings, best_match: int, *,
              parts: bool = False) -> tuple[float, float, float, float] | CostParts:
     """The request's estimated cost on `p` (`cost.py`): the four terms, or with `parts` what `explain` prints.
@@ -143,17 +157,21 @@ def warm_for_adapter(warm: list[Candidate], holders: list[Candidate], roomy: lis
 def starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest,
                             settings: Settings) -> bool:
     """Whether to start the adapter on another pod now: none of its holders can admit the request at the next
-    step (a queue, or a cache too full for the prompt) nor holds its prefix, a pod that keeps a free slot after
-    taking the adapter can, and it costs clearly less there, the adapter's load and the harm to that pod's batch
-    included. In a saturated fleet no pod admits it at once and the adapter stays with its holders; it is the
-    long unseen prompts of an adapter's tail that this moves off a full pod."""
+    step (a queue, or a cache too full for the prompt), a pod that keeps a free slot after taking the adapter
+    can, and it costs clearly less there, the adapter's load and the harm to that pod's batch included. A holder
+    of the prompt's prefix keeps it unless that holder waits for cache room for a large prompt
+    (`waits_for_room`): then the saved prefill is worth less than the wait. In a saturated fleet no pod admits
+    it at once and the adapter stays with its holders; it is the long prompts of an adapter's tail that this
+    moves off a full pod."""
     per_block = tokens_per_block(settings)
     matches = request.prefix_matches
+    prompt = request.prefix_blocks * per_block
 
     def uncached(p: Candidate) -> float:
         return (request.prefix_blocks - matches.get(p.key, 0)) * per_block
 
-    if any(matches.get(p.key, 0) >= settings.prefix_min_blocks for p in roomy):
+    if any(matches.get(p.key, 0) >= settings.prefix_min_blocks and not waits_for_room(p, prompt, uncached(p))
+           for p in roomy):
         return False  # a holder holds its prefix: the prefix rules weigh that pod's queue
     admitting = [p.slowness for p in roomy if admits_now(p, uncached(p))]
     if admitting and min(admitting) <= min(p.slowness for p in pods):

@@ -123,6 +123,12 @@ SCENARIOS: dict[str, Scenario] = {
                  document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
                  connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
                  rates=(0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0), background_rate=0.5, background_tokens=2500),
+        Scenario("kv-pressure-hetero", "the kv-pressure traffic on a fleet with half the replicas at half speed "
+                 "(profiles speed=1;speed=0.5)",
+                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
+                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
+                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
+                 rates=(0.5, 0.75, 1.0, 1.25, 1.5), profiles="speed=1;speed=0.5"),
         Scenario("overload", "unique ~1,200-token prompts on 12 adapters, ~40-token answers, two thirds sheddable; "
                  "Poisson arrivals at 1x, 2x and 3x the rate the fleet sustains (1.5 req/s)",
                  kind="overload", question_tokens=1200, max_tokens=100, mean_output_tokens=40, replicas=2,
