@@ -10,8 +10,11 @@ from procs import CLI, child_env
 
 def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plugin(tmp_path):
     path = tmp_path / "host-cost.json"
+    # With KV events and long prompts: the plugin's proxy tokenizes each prompt and matches it against the
+    # index the engines' events build (the bench refuses a run whose index stayed empty).
     out = subprocess.run(CLI + ["bench", "--scenario", "host-cost", "--requests", "4", "--repeat", "2", "--json",
-                                str(path)], capture_output=True, text=True, timeout=300, env=child_env())
+                                str(path), "--kv-events", "--prompt-chars", "4000"],
+                         capture_output=True, text=True, timeout=300, env=child_env())
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a turn saturated or failed, said on stderr
     rows = json.loads(path.read_text())
     assert set(rows) == {"chat-stream", "chat", "text", "text-stream"}, rows
@@ -22,3 +25,5 @@ def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plug
         assert row["ratio"] == ratio and row["met"] == (ratio <= row["goal"])  # the goal judged on the raw ratio
         assert printed[kind][4] == ("met" if row["met"] else "MISSED"), printed[kind]
     assert "refused" not in out.stderr or out.returncode == 1
+    (held,) = [line for line in out.stdout.splitlines() if "the shared index holds" in line]
+    assert int(held.split("holds ")[1].split()[0]) > 0 and held.endswith("of 2 pods"), held

@@ -79,9 +79,9 @@ def chat(stack, model: str, question: str) -> str:
     return response.headers["x-litellm-model-api-base"].rstrip("/").removesuffix("/v1")
 
 
-def explain(stack, model: str) -> dict:
+def explain(stack, model: str, question: str = "and now?") -> dict:
     messages = stack["tmp"] / "messages.json"
-    messages.write_text(json.dumps([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "and now?"}]))
+    messages.write_text(json.dumps([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]))
     out = subprocess.run([sys.executable, "-m", "lora_affinity_plugin.cli", "explain", "--config", str(stack["config"]),
                           "--model", model, "--messages", str(messages), "--json"],
                          capture_output=True, text=True, check=True).stdout
@@ -115,6 +115,14 @@ def test_the_proxy_matches_a_prompt_against_what_the_engines_report_and_follows_
     assert explained["pick"] == holder
     assert all(explain(stack, "other-lora")["prefix_matches"][p] == 0 for p in reporting)  # cached per adapter
     assert {chat(stack, adapter, f"question {i}?") for i in range(3)} == {holder}
+    # Events lost: the holder's next 1,000 batches reach only its replay buffer. Requests go on as before, and
+    # the scraper, hearing nothing more, asks for what followed its last batch: a question cached during the
+    # gap is matched exactly, past the system prompt.
+    question = "what do the billing rules say about travel weather question answers " * 12
+    before = explain(stack, adapter, question)["prefix_matches"][holder]
+    assert httpx.post(holder + "/control", json={"drop_events": 1000}).json() == {"drop_events": 1000}
+    assert chat(stack, adapter, question) == holder
+    wait_for(lambda: explain(stack, adapter, question)["prefix_matches"][holder] > before)
     time.sleep(0.3)  # the replica finishes (a restart wants it idle)
     assert httpx.post(holder + "/control", json={"restart": True}).json() == {"restarted": True}
 

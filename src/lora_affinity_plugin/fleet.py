@@ -171,14 +171,15 @@ class FleetView:
     def _with_exact(self, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None, messages: Any,
                     request_kwargs: Any, pods: Iterable[str], settings: Settings
                     ) -> tuple[Mapping[str, int], Mapping[str, str]]:
-        """`matches` with the reporting pods' exact figures in the prefix blocks' unit, and which pods those are."""
+        """`matches` with the reporting pods' exact figures in the prefix blocks' unit, and which pods those are.
+        The share of the prompt's tokens a pod holds becomes that share of its `blocks`: the tokenizer's own count,
+        not the `prefix_chars_per_token` estimate, which is off for code or other languages."""
         exact = self.exact_matches(model, adapter, messages, request_kwargs, pods, settings)
         if not exact:
             return matches, NO_SOURCES
         matches = dict(matches)
-        per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
-        for pod, tokens in exact.items():
-            held = min(blocks, int(tokens / per_block))
+        for pod, share in exact.items():
+            held = min(blocks, int(blocks * share))
             if held:
                 matches[pod] = held
             else:
@@ -186,9 +187,10 @@ class FleetView:
         return matches, dict.fromkeys(exact, "exact")
 
     def exact_matches(self, model: str, adapter: str | None, messages: Any, request_kwargs: Any,
-                      pods: Iterable[str], settings: Settings) -> dict[str, int]:
-        """Per pod whose engine reports its cache, the prompt's leading tokens it holds (empty: none does, no
-        tokenizer is set for the group, or callers are isolated from each other's prompts)."""
+                      pods: Iterable[str], settings: Settings) -> dict[str, float]:
+        """Per pod whose engine reports its cache, the share of the prompt's full blocks of tokens it holds from
+        the start (empty: none does, no tokenizer is set for the group, or callers are isolated from each other's
+        prompts)."""
         if not settings.kv_events or settings.prefix_isolation != "shared":
             return {}
         held = self.held
@@ -199,19 +201,20 @@ class FleetView:
         if tokenizer is None:
             return {}
         seed = chain_seed(adapter, request_salt(request_kwargs))
-        out: dict[str, int] = {}
+        out: dict[str, float] = {}
         chains: dict[int, list[list[int]]] = {}
         for pod in reporting:
             size = held.block_size(pod) or 16
             readings = chains.get(size)
             if readings is None:
                 readings = chains[size] = tokenizer.chains(seed, messages, size)
-            best = 0
+            best = 0.0
             for keys in readings:  # (one reading but for a single user message)
-                held_blocks = held.match(pod, keys)
-                if held_blocks > best:
-                    best = held_blocks
-            out[pod] = best * size
+                if keys:
+                    share = held.match(pod, keys) / len(keys)
+                    if share > best:
+                        best = share
+            out[pod] = best
         return out
 
     def tokenizer(self, model: str, settings: Settings) -> Any:

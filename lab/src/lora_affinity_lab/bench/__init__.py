@@ -37,8 +37,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deployments", default="8,64,512", help="decisions scenario: deployment counts")
     parser.add_argument("--iterations", type=int, default=3000, help="decisions scenario: decisions per size")
     parser.add_argument("--prompt-chars", type=int, default=0,
-                        help="decisions: characters per chat prompt (0: the seed's short prompt); LoRA scenarios: "
-                             "characters of a unique text or instruction (default 1500)")
+                        help="decisions and host-cost: characters per chat prompt (0: the seed's short prompt); LoRA "
+                             "scenarios: characters of a unique text or instruction (default 1500)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="host-cost: the replicas publish KV events and the plugin matches prompts against them "
+                             "(a tokenizer trained for the run)")
     parser.add_argument("--prompt-shape", choices=["seed", "unique", "instruction", "mix"], default=None,
                         help="LoRA scenarios: the seed's question, a unique text per request, a "
                              "per-adapter instruction plus the question, or the three in turn")

@@ -17,8 +17,9 @@ per second while idle: the plugin's background refresh (one Redis round trip eve
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import json
+import random
 import statistics
 from pathlib import Path
 import sys
@@ -26,10 +27,14 @@ import time
 from dataclasses import replace
 
 import httpx
+import redis
 
 from ..processes import MASTER_KEY, free_port, redis_server, scratch_dir
+from lora_affinity_plugin.exact_share import decode_changes, snapshot_key
 from lora_affinity_plugin.settings import Settings
 from .live import Fleet
+from .prefix_workloads import _WORDS
+from .tokenizer_files import write_tokenizer_files
 from .scenarios import get_scenario
 from .transport import SATURATED, tree_cpu
 
@@ -42,23 +47,41 @@ SPEED = 10.0
 REAL_TIME = ("scrape_interval_ms", "scrape_timeout_ms", "stale_after_ms", "metrics_ttl_ms", "dispatch_lag_ms")
 
 
-def _body(kind: str, i: int) -> tuple[str, dict]:
+HEADS = 4
+"""Long prompts: this many shared system prompts (an app's instructions and documents), each request's question
+its own."""
+
+
+def _head(n: int, chars: int) -> str:
+    rng = random.Random(f"host-cost-head-{n}")
+    words: list[str] = []
+    while sum(map(len, words)) + len(words) < chars:
+        words.append(rng.choice(_WORDS))
+    return " ".join(words)[:chars]
+
+
+def _body(kind: str, i: int, prompt_chars: int = 0) -> tuple[str, dict]:
     chat = kind.startswith("chat")
     body = {"model": ("sql-lora", "tweet-summary")[i % 2], "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
             "stream": kind.endswith("stream")}
-    body.update({"messages": [{"role": "user", "content": f"question {i}: what is in the report?"}]} if chat
-                else {"prompt": f"question {i}: what is in the report?"})
+    question = f"question {i}: what is in the report?"
+    head = _head(i % HEADS, prompt_chars - len(question)) if prompt_chars > len(question) else ""
+    if chat:
+        messages = [{"role": "system", "content": head}] if head else []
+        body["messages"] = messages + [{"role": "user", "content": question}]
+    else:
+        body["prompt"] = f"{head}\n\n{question}" if head else question
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
-async def _send(url: str, kind: str, requests: int) -> int:
+async def _send(url: str, kind: str, requests: int, prompt_chars: int) -> int:
     """`requests` requests of one kind, CONCURRENCY at a time; the number that failed."""
     failed = 0
     headers = {"Authorization": f"Bearer {MASTER_KEY}"}
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         nonlocal failed
-        path, body = _body(kind, i)
+        path, body = _body(kind, i, prompt_chars)
         try:
             async with client.stream("POST", url + path, json=body, headers=headers) as response:
                 payload = [line async for line in response.aiter_lines()]
@@ -78,11 +101,11 @@ async def _send(url: str, kind: str, requests: int) -> int:
     return failed
 
 
-def _turn(fleet: Fleet, kind: str, requests: int) -> tuple[float, float, int]:
+def _turn(fleet: Fleet, kind: str, requests: int, prompt_chars: int) -> tuple[float, float, int]:
     """(CPU ms per request, busiest process's share of a core, failed requests) of one proxy's turn."""
     pids = [p.popen.pid for p in fleet.proxies]
     before, started = tree_cpu(pids), time.monotonic()
-    failed = asyncio.run(_send(fleet.targets[0], kind, requests))
+    failed = asyncio.run(_send(fleet.targets[0], kind, requests, prompt_chars))
     window, after = time.monotonic() - started, tree_cpu(pids)
     spent = [after[pid] - before.get(pid, 0.0) for pid in after]
     return 1000 * sum(spent) / requests, max(spent) / window, failed
@@ -101,6 +124,15 @@ def _idle_cpu_ms_per_s(fleets: dict[str, Fleet], seconds: float) -> dict[str, fl
             for name in fleets}
 
 
+def _exact_index(redis_port: int) -> tuple[int, int]:
+    """(pods, blocks) in the exact index the scraper shares through Redis (`exact_share.py`)."""
+    snapshot = redis.Redis(port=redis_port).hgetall(snapshot_key(Settings().key_prefix))
+    if b"c" not in snapshot:
+        return 0, 0
+    changes = decode_changes(snapshot[b"c"])
+    return len(changes), sum(len(change.added) for change in changes.values())
+
+
 def run_host_cost(args: argparse.Namespace) -> int:
     requests = args.requests or 100
     rounds = max(1, args.repeat if args.repeat > 1 else 5)
@@ -108,25 +140,35 @@ def run_host_cost(args: argparse.Namespace) -> int:
     workdir = scratch_dir("lora-affinity-bench-")
     redis_port = free_port()
     store = redis_server(redis_port, workdir, allow_embedded=True)
+    prompt_chars = getattr(args, "prompt_chars", 0) or 0
+    kv_events = write_tokenizer_files(workdir / "tokenizer") if getattr(args, "kv_events", False) else None
     print(f"host-cost: {rounds} rounds x {len(KINDS)} kinds x {requests} requests of {OUTPUT_TOKENS} tokens per proxy, "
-          f"{CONCURRENCY} at a time, simulated pods at {SPEED:g}x; logs in {workdir}")
+          f"{CONCURRENCY} at a time, simulated pods at {SPEED:g}x; prompts of "
+          f"{f'{prompt_chars} characters ({HEADS} shared heads)' if prompt_chars else 'one short question'}; "
+          f"KV events {'on: the plugin matches prompts against the engines' if kv_events else 'off'}; logs in {workdir}")
     cpu: dict[tuple[str, str], list[float]] = {}
     busiest: dict[tuple[str, str], float] = {}
     failures = 0
     try:
         defaults = Settings()
         production = {name: getattr(defaults, name) for name in REAL_TIME}
-        fleets = {s: Fleet(scenario, s, SPEED, 1, args.seed, redis_port, workdir, overrides=production).__enter__()
+        fleets = {s: Fleet(scenario, s, SPEED, 1, args.seed, redis_port, workdir, overrides=production,
+                           kv_events=kv_events).__enter__()
                   for s in STRATEGIES}
         for kind in KINDS:  # one warm-up turn each: first requests build clients and caches
             for strategy in STRATEGIES:
-                _turn(fleets[strategy], kind, min(10, requests))
+                _turn(fleets[strategy], kind, min(10, requests), prompt_chars)
         idle = _idle_cpu_ms_per_s(fleets, IDLE_S if requests >= 20 else 2.0)
+        if kv_events is not None:
+            pods, blocks = _exact_index(redis_port)
+            print(f"the engines' KV events: the shared index holds {blocks} blocks of {pods} pods")
+            if not blocks:
+                failures += 1  # the plugin would have matched nothing exactly: not the cost being measured
         for r in range(rounds):
             order = STRATEGIES if r % 2 == 0 else STRATEGIES[::-1]
             for kind in KINDS:
                 for strategy in order:
-                    ms, share, failed = _turn(fleets[strategy], kind, requests)
+                    ms, share, failed = _turn(fleets[strategy], kind, requests, prompt_chars)
                     cpu.setdefault((strategy, kind), []).append(ms)
                     busiest[(strategy, kind)] = max(busiest.get((strategy, kind), 0.0), share)
                     failures += failed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import statistics
 import time
 import tracemalloc
 
@@ -111,6 +112,71 @@ def _index_memory(pods: int) -> tuple[float, int, int]:
     return size / 1e6, snapshot, len(encode_changes(index.take_changes()))
 
 
+GAP = 1_000
+ROUNDS = 5
+
+
+async def _until(check, timeout_s: float = 30.0) -> float:
+    """Seconds until `check()` holds (polled every millisecond); inf past the timeout."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            return float("inf")
+        await asyncio.sleep(0.001)
+    return time.monotonic() - started
+
+
+async def _recovery(ports: tuple[int, int]) -> dict[str, list[float]]:
+    """Seconds until one pod's index is exact again, per round: after a gap of GAP batches that a later batch
+    reveals; after GAP lost batches that nothing follows (the quiet-pod catch-up finds them); after a restart."""
+    from lora_affinity_lab.sim.kv_publisher import KVEventPublisher, KVEventsConfig
+
+    pub, replay = ports
+    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}",
+                                                buffer_steps=4 * GAP))
+    serving = asyncio.create_task(publisher.serve_replay())
+    subscriber = KVEventSubscriber({"pod": EventEndpoints(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")},
+                                   ExactIndex())
+    stop = asyncio.Event()
+    following = asyncio.create_task(subscriber.run(stop))
+    stored = 0
+
+    def publish(count: int) -> None:
+        nonlocal stored
+        for _ in range(count):
+            hashes = tuple(range(stored, stored + BLOCKS_PER_BATCH))
+            tokens = tuple(range(stored * BLOCK, (stored + BLOCKS_PER_BATCH) * BLOCK))  # the index keys by tokens
+            publisher.publish([BlockStored(hashes, None, tokens, BLOCK, None, "GPU", None)])
+            stored += BLOCKS_PER_BATCH
+
+    def exact() -> bool:
+        return subscriber.index.size("pod") == stored and not subscriber.streams["pod"].partial
+
+    times: dict[str, list[float]] = {"gap": [], "quiet": [], "restart": []}
+    try:
+        for _ in range(ROUNDS):
+            stream = subscriber.streams["pod"]
+            while not exact():  # connected and caught up: a fresh start, or after the last round's restart
+                publish(1)
+                await asyncio.sleep(0.05)
+            publisher.dropped_next = GAP
+            publish(GAP + 1)  # the last one arrives and reveals the gap
+            times["gap"].append(await _until(exact))
+            publisher.dropped_next = GAP
+            publish(GAP)  # lost, and nothing after them
+            times["quiet"].append(await _until(exact))
+            restarts = stream.restarts
+            publisher.restart()
+            stored = 0
+            times["restart"].append(await _until(lambda: stream.restarts > restarts and subscriber.index.size("pod") == 0))
+    finally:
+        stop.set()
+        await following
+        serving.cancel()
+        publisher.close()
+    return times
+
+
 def run_kv_events(args: argparse.Namespace) -> int:
     from lora_affinity_lab.processes import free_port_range
 
@@ -141,4 +207,12 @@ def run_kv_events(args: argparse.Namespace) -> int:
     print(f"  exact index with {pods} pods x {CACHE_BLOCKS:,} blocks: {memory:.0f} MB in the scraper; a proxy's "
           f"snapshot read {snapshot / 1e6:.1f} MB; one 200 ms interval's change set at that rate {interval / 1e3:.0f} KB "
           f"({interval * 5 / 1e6:.1f} MB/s per proxy)")
-    return 0 if lost == 0 else 1
+    recovery = asyncio.run(_recovery((free_port_range(1), free_port_range(1))))
+    print(f"  recovery, one pod, medians of {ROUNDS} rounds (until its index holds exactly what it published):")
+    for label, what in (("gap", f"{GAP:,} batches lost, the next one arrives"),
+                        ("quiet", f"{GAP:,} batches lost, nothing after them"),
+                        ("restart", "the server restarts (sequence 0, AllBlocksCleared)")):
+        print(f"    {what}: {statistics.median(recovery[label]) * 1000:.0f} ms "
+              f"(max {max(recovery[label]) * 1000:.0f} ms)")
+    unrecovered = sum(t == float("inf") for times in recovery.values() for t in times)
+    return 0 if lost == 0 and not unrecovered else 1

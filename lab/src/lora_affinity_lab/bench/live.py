@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import sys
 import time
@@ -64,8 +65,12 @@ class Fleet:
 
     def __init__(self, scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
                  workdir: Path, config_path: Path | None = None, lora_info_style: str = "legacy",
-                 overrides: dict | None = None, proxy_workers: int = 1) -> None:
+                 overrides: dict | None = None, proxy_workers: int = 1, kv_events: dict | None = None) -> None:
         self.proxy_workers = proxy_workers
+        self.kv_events = kv_events
+        """The plugin's `tokenizers` entry for every model: the replicas then publish KV events (tokenized by that
+        file) and the plugin follows them; None: no events."""
+        self.events_ports = (0, 0)
         self.scenario, self.strategy, self.speed, self.gateways = scenario, strategy, speed, gateways
         self.seed, self.redis_port, self.workdir = seed, redis_port, workdir
         self.config_path = config_path
@@ -101,6 +106,12 @@ class Fleet:
         s = self.scenario
         self.base_port = free_port_range(s.replicas)
         sim_args = sim_arguments(s, self.base_port, self.speed, self.seed, self.lora_info_style)
+        if self.kv_events is not None:
+            self.events_ports = (free_port_range(s.replicas), free_port_range(s.replicas))
+            pub, replay = self.events_ports
+            sim_args += ["--tokenizer", self.kv_events["tokenizer"], "--kv-events-config", json.dumps(
+                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                 "replay_endpoint": f"tcp://*:{replay}"})]
         self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli", *sim_args],
                                self.workdir))
         for i in range(s.replicas):
@@ -143,6 +154,12 @@ class Fleet:
             section = config.setdefault("lora_affinity", {})
             section.pop("redis_url", None)  # LORA_AFFINITY_REDIS_URL points at this run's Redis
             section.update(plugin_settings(self.speed, {**PLUGIN_RULES[self.strategy], **self.overrides}))
+            if self.kv_events is not None:
+                section.update({"kv_events": True, "tokenizers": {"*": dict(self.kv_events)}})
+                pub, replay = self.events_ports
+                for i, deployment in enumerate(model_list):
+                    deployment["model_info"] = {"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
+                                                "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"}
         else:
             config["litellm_settings"].pop("callbacks", None)
             config.pop("lora_affinity", None)

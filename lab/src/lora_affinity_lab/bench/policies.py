@@ -313,7 +313,7 @@ class OracleFleet(FleetView):
 
     engines: list = []
 
-    def exact_matches(self, model, adapter, messages, request_kwargs, pods, settings) -> dict[str, int]:
+    def exact_matches(self, model, adapter, messages, request_kwargs, pods, settings) -> dict[str, float]:
         if not messages:
             return {}
         text = prompt_text({"messages": messages})
@@ -322,7 +322,7 @@ class OracleFleet(FleetView):
         for i, engine in enumerate(self.engines):
             size = engine.config.block_size
             hashes = engine.tokenizer.block_hashes(text, adapter, salt, size)
-            out[f"r{i}"] = engine.pool.cached_prefix(hashes) * size
+            out[f"r{i}"] = engine.pool.cached_prefix(hashes) / len(hashes) if hashes else 0.0
         return out
 
 

@@ -93,6 +93,7 @@ class KVEventPublisher:
         """A restarted server: its sequence starts over, its buffer is empty, and it says its cache is empty."""
         self._seq = 0
         self._buffer.clear()
+        self.dropped_next = 0  # (a drop asked of the server before it restarted)
         self.publish([AllBlocksCleared()])
 
     async def serve_replay(self) -> None:
