@@ -86,3 +86,17 @@ def test_the_decisions_benchmark_times_both_strategies_with_no_fallback():
 def test_the_side_by_side_loop_runs_on_this_checkout():
     stdout = run_bench_tool("decision_own_part.py", "300")
     assert re.fullmatch(r"\d+\.\d / \d+  \(fallbacks 0\)\n", stdout), stdout
+
+
+def test_the_engines_events_show_the_documents_another_client_cached():
+    """kv-pressure-foreign: a batch job asks about the same tenants' documents straight at the replicas. Only the
+    engines' events tell the gateway where it left them; the inferred index knows only its own dispatches."""
+    from dataclasses import replace
+
+    from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
+
+    scenario = at_rate(replace(get_scenario("kv-pressure-foreign"), duration_s=600.0), 0.5)
+    for seed in (1, 2):
+        inferred, exact = (run_fast(scenario, name, seed=seed) for name in ("lora-affinity", "lora-affinity-exact"))
+        assert inferred.errors == exact.errors == 0
+        assert exact.hit_rate > inferred.hit_rate + 0.02, (seed, exact.hit_rate, inferred.hit_rate)

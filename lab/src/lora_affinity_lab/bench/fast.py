@@ -309,9 +309,14 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         elif kind == "background":  # another client's request, straight to a replica
             replica, turn = data
             engine = engines[replica]
-            body = f"Batch job {seed}-{turn}: " + background_text(seed, turn, scenario.background_tokens)
-            engine.add(Sequence(f"background-{turn}", None, count_tokens(body), 20, arrival=now,
-                                block_hashes=block_hashes(body, None, None, engine.config.block_size),
+            adapter = None
+            if scenario.background_documents and prefix_load is not None:
+                adapter, messages = prefix_load.foreign(turn)
+                body = prompt_text({"messages": messages})
+            else:
+                body = f"Batch job {seed}-{turn}: " + background_text(seed, turn, scenario.background_tokens)
+            engine.add(Sequence(f"background-{turn}", adapter, count_tokens(body), 20, arrival=now,
+                                block_hashes=block_hashes(body, adapter, None, engine.config.block_size),
                                 prompt_text=body), now)
             kick(replica, now)
         elif kind == "kv":

@@ -141,7 +141,10 @@ def run_host_cost(args: argparse.Namespace) -> int:
     redis_port = free_port()
     store = redis_server(redis_port, workdir, allow_embedded=True)
     prompt_chars = getattr(args, "prompt_chars", 0) or 0
-    kv_events = write_tokenizer_files(workdir / "tokenizer") if getattr(args, "kv_events", False) else None
+    # Long prompts are tokenized by a trained tokenizer (about a token a word), so that 16 KB fits the
+    # simulated model's 4,096-token context, with or without KV events.
+    files = write_tokenizer_files(workdir / "tokenizer") if prompt_chars or getattr(args, "kv_events", False) else None
+    kv_events = files if getattr(args, "kv_events", False) else None
     print(f"host-cost: {rounds} rounds x {len(KINDS)} kinds x {requests} requests of {OUTPUT_TOKENS} tokens per proxy, "
           f"{CONCURRENCY} at a time, simulated pods at {SPEED:g}x; prompts of "
           f"{f'{prompt_chars} characters ({HEADS} shared heads)' if prompt_chars else 'one short question'}; "
@@ -153,7 +156,7 @@ def run_host_cost(args: argparse.Namespace) -> int:
         defaults = Settings()
         production = {name: getattr(defaults, name) for name in REAL_TIME}
         fleets = {s: Fleet(scenario, s, SPEED, 1, args.seed, redis_port, workdir, overrides=production,
-                           kv_events=kv_events).__enter__()
+                           kv_events=kv_events, tokenizer=files and files["tokenizer"]).__enter__()
                   for s in STRATEGIES}
         for kind in KINDS:  # one warm-up turn each: first requests build clients and caches
             for strategy in STRATEGIES:

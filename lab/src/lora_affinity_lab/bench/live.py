@@ -65,11 +65,14 @@ class Fleet:
 
     def __init__(self, scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
                  workdir: Path, config_path: Path | None = None, lora_info_style: str = "legacy",
-                 overrides: dict | None = None, proxy_workers: int = 1, kv_events: dict | None = None) -> None:
+                 overrides: dict | None = None, proxy_workers: int = 1, kv_events: dict | None = None,
+                 tokenizer: str | None = None) -> None:
         self.proxy_workers = proxy_workers
         self.kv_events = kv_events
         """The plugin's `tokenizers` entry for every model: the replicas then publish KV events (tokenized by that
         file) and the plugin follows them; None: no events."""
+        self.tokenizer = tokenizer or (kv_events or {}).get("tokenizer")
+        """The replicas' tokenizer.json (None: the simulator's 3 bytes a token)."""
         self.events_ports = (0, 0)
         self.scenario, self.strategy, self.speed, self.gateways = scenario, strategy, speed, gateways
         self.seed, self.redis_port, self.workdir = seed, redis_port, workdir
@@ -106,10 +109,12 @@ class Fleet:
         s = self.scenario
         self.base_port = free_port_range(s.replicas)
         sim_args = sim_arguments(s, self.base_port, self.speed, self.seed, self.lora_info_style)
+        if self.tokenizer is not None:
+            sim_args += ["--tokenizer", self.tokenizer]
         if self.kv_events is not None:
             self.events_ports = (free_port_range(s.replicas), free_port_range(s.replicas))
             pub, replay = self.events_ports
-            sim_args += ["--tokenizer", self.kv_events["tokenizer"], "--kv-events-config", json.dumps(
+            sim_args += ["--kv-events-config", json.dumps(
                 {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
                  "replay_endpoint": f"tcp://*:{replay}"})]
         self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli", *sim_args],

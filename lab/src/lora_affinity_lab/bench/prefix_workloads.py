@@ -132,6 +132,17 @@ class PrefixWorkload:
                 out.append(self._turn(i, t, s.adapters[app] if app < len(s.adapters) else None, 0))
         return out
 
+    def foreign(self, turn: int) -> tuple[str | None, list[dict]]:
+        """Another client's question about one of the tenants' documents (kv-pressure-foreign): its adapter and
+        messages, the tenant drawn by the same popularity as the gateways' traffic."""
+        s = self.scenario
+        rng = random.Random(f"{self.seed}-foreign-{turn}")
+        tenant = rng.choices(range(s.groups), [1 / (rank + 1) ** (s.zipf_s or 0.0) for rank in range(s.groups)])[0]
+        content = self._document(tenant, rng.randrange(s.documents)) + f"\n\nBatch question {turn}: " + text(
+            rng, s.question_tokens)
+        messages = [{"role": "system", "content": self._system(tenant)}, {"role": "user", "content": content}]
+        return s.adapters[tenant % len(s.adapters)], messages
+
     def follow_up(self, request: PromptRequest, reply: str, now: float) -> PromptRequest | None:
         """The session's next turn, after the reply and a think time; None when the session is over."""
         s = self.scenario

@@ -65,6 +65,9 @@ class Scenario:
     """Requests per second another client sends straight to the replicas, round robin, past every gateway: unique
     long prompts that fill and evict caches where no gateway sees it (what only the engines' events tell)."""
     background_tokens: int = 0
+    background_documents: bool = False
+    """The other client asks about the same tenants' documents (another team's batch job over the same corpus):
+    it caches prefixes on pods no gateway sent them to."""
     tenants: int = 0
     """Callers (API keys, two to a team) the requests come from in turn; 0: none named (`prefix_isolation`)."""
     """mixed: the share of arrivals that start a multi-turn chat on the base model."""
@@ -123,6 +126,13 @@ SCENARIOS: dict[str, Scenario] = {
                  document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
                  connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
                  rates=(0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0), background_rate=0.5, background_tokens=2500),
+        Scenario("kv-pressure-foreign", "the kv-pressure traffic on a fleet another client also uses: 0.5 req/s of "
+                 "questions about the same tenants' documents (a batch job over the same corpus) sent straight to "
+                 "the replicas in turn, past the gateways",
+                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
+                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
+                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
+                 rates=(0.5, 0.75, 1.0, 1.25, 1.5), background_rate=0.5, background_documents=True),
         Scenario("kv-pressure-hetero", "the kv-pressure traffic on a fleet with half the replicas at half speed "
                  "(profiles speed=1;speed=0.5)",
                  kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
