@@ -24,11 +24,9 @@ from procs import (
     redis_server,
     wait_port,
 )
+from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE  # the simulator's rendering, as Jinja
 from test_kv_subscriber import _train_tokenizer
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-"""The simulator's own chat rendering (`sim.kv_cache.prompt_text`) as a Jinja template, as an engine's would be."""
 
 SYSTEM = "You are the billing assistant. " + " ".join(f"billing rules {i}: answer the user question." for i in range(60))
 

@@ -185,9 +185,9 @@ def test_a_chats_ids_are_the_whole_renders_with_its_head_tokenized_once(tmp_path
     from lora_affinity_plugin.tokenization import PromptTokenizer
 
     _train_tokenizer(tmp_path / "tokenizer.json")
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    (tmp_path / "chat.jinja").write_text(template)
+    from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE
+
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
     tokenizer = PromptTokenizer(str(tmp_path / "tokenizer.json"), str(tmp_path / "chat.jinja"))
     from tokenizers import Tokenizer
 

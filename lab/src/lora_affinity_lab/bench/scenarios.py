@@ -81,6 +81,11 @@ def _adapters(n: int) -> tuple[str, ...]:
     return tuple(f"adapter-{i:02d}" for i in range(n))
 
 
+_KV_PRESSURE = dict(kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
+                    document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
+                    connections=100_000, deadline_s=120.0, duration_s=90.0)
+"""What the kv-pressure scenarios share: the tenants, their prompts and documents."""
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
@@ -116,28 +121,20 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("kv-pressure", "32 tenants (Zipf(1.0) popularity, 4 adapters' worth each of 8 adapters), each with a "
                  "~1,200-token system prompt and 4 documents of ~2,000 tokens; a request asks about one of its "
                  "tenant's documents; the distinct prefixes are about 4 times what the fleet's KV caches hold",
-                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
-                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
-                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=2.0,
+                 **_KV_PRESSURE, arrival_rate=2.0,
                  rates=(0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)),
         Scenario("kv-pressure-shared", "the kv-pressure traffic on a fleet another client also uses: 0.5 req/s of "
                  "unique ~2,500-token prompts sent straight to the replicas in turn, past the gateways",
-                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
-                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
-                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
+                 **_KV_PRESSURE, arrival_rate=1.0,
                  rates=(0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0), background_rate=0.5, background_tokens=2500),
         Scenario("kv-pressure-foreign", "the kv-pressure traffic on a fleet another client also uses: 0.5 req/s of "
                  "questions about the same tenants' documents (a batch job over the same corpus) sent straight to "
                  "the replicas in turn, past the gateways",
-                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
-                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
-                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
+                 **_KV_PRESSURE, arrival_rate=1.0,
                  rates=(0.5, 0.75, 1.0, 1.25, 1.5), background_rate=0.5, background_documents=True),
         Scenario("kv-pressure-hetero", "the kv-pressure traffic on a fleet with half the replicas at half speed "
                  "(profiles speed=1;speed=0.5)",
-                 kind="kv-pressure", adapters=_adapters(8), groups=32, zipf_s=1.0, system_tokens=1200, documents=4,
-                 document_tokens=2000, question_tokens=60, max_tokens=300, mean_output_tokens=120,
-                 connections=100_000, deadline_s=120.0, duration_s=90.0, arrival_rate=1.0,
+                 **_KV_PRESSURE, arrival_rate=1.0,
                  rates=(0.5, 0.75, 1.0, 1.25, 1.5), profiles="speed=1;speed=0.5"),
         Scenario("overload", "unique ~1,200-token prompts on 12 adapters, ~40-token answers, two thirds sheddable; "
                  "Poisson arrivals at 1x, 2x and 3x the rate the fleet sustains (1.5 req/s)",
