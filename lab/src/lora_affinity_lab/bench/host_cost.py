@@ -34,7 +34,7 @@ from ..processes import MASTER_KEY, free_port, redis_server, scratch_dir
 from lora_affinity_plugin.exact_share import decode_changes, snapshot_key
 from lora_affinity_plugin.settings import Settings
 from .live import Fleet
-from .prefix_workloads import CHARS_PER_TOKEN, text
+from .prefix_workloads import _WORDS
 from .tokenizer_files import write_tokenizer_files
 from .scenarios import get_scenario
 from .transport import SATURATED, tree_cpu
@@ -56,7 +56,13 @@ its own."""
 @functools.lru_cache(maxsize=HEADS)
 def _head(n: int, chars: int) -> str:
     """Shared system prompt `n`, built once (the load generator shares the proxies' two cores)."""
-    return text(random.Random(f"host-cost-head-{n}"), chars // CHARS_PER_TOKEN + 1)[:chars]
+    rng = random.Random(f"host-cost-head-{n}")
+    words: list[str] = []
+    size = 0  # the joined length so far, less one space
+    while size < chars:
+        words.append(rng.choice(_WORDS))
+        size += len(words[-1]) + 1
+    return " ".join(words)[:chars]
 
 
 def _body(kind: str, i: int, prompt_chars: int = 0) -> tuple[str, dict]:
