@@ -1,5 +1,6 @@
 """The exact index from engines' KV events: keys from token ids, LoRA and salt kept apart, evictions followed;
-the subscriber fills a 1,000-batch gap from the replay socket and forgets a restarted server's blocks; and a
+the subscriber fills a 1,000-batch gap from the replay socket, however slowly it comes, and forgets a restarted
+server's blocks; and a
 simulated replica's events, with its own tokenizer or a real `tokenizer.json`, give the index exactly the
 blocks its cache holds."""
 
@@ -17,7 +18,9 @@ from procs import free_port, free_port_range, wait_port
 from lora_affinity_lab.sim.kv_cache import ByteTokenizer
 from lora_affinity_lab.sim.kv_publisher import KVEventPublisher, KVEventsConfig
 from lora_affinity_plugin.exact_index import ExactIndex
-from lora_affinity_plugin.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from lora_affinity_plugin import kv_subscriber
+from lora_affinity_plugin.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_batch,
+                                             sequence_bytes)
 from lora_affinity_plugin.kv_subscriber import EventEndpoints, KVEventSubscriber
 from lora_affinity_plugin.token_blocks import chain_keys, chain_seed
 
@@ -87,7 +90,7 @@ async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the
         last = first + 1000
         publisher.publish([stored([10_000 + last], None, prompts[last])])  # the gap shows
         await _until(lambda: stream.last_seq == last)
-        assert stream.gaps == 1 and stream.replayed >= 1000 and not stream.partial
+        assert stream.gaps == 1 and stream.replayed >= 1000 and not stream.partial, stream
         assert all(subscriber.index.match("p", keys(prompts[i])) == 1 for i in range(last + 1))
         publisher.restart()  # sequence 0 again, AllBlocksCleared first
         publisher.publish([stored([30_000], None, prompts[1150])])
@@ -98,6 +101,45 @@ async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the
         await follow
         replay_task.cancel()
         publisher.close()
+
+
+async def test_a_slow_replay_is_followed_to_its_end_and_only_a_silent_one_marks_the_pod_partial(monkeypatch):
+    """The replay timeout is a silence, not a total: a busy pod (or a busy subscriber) may take longer than it to
+    send a long gap, batch after batch, and the index is still exact. A gap whose last batch has come is filled
+    without the end mark (a busy ROUTER socket drops what passes its high-water mark, and the mark comes last)."""
+    monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 0.3)
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(8)]
+
+    async def serve(sent, end_mark):
+        client, _, _start = await router.recv_multipart()
+        for seq, tokens in enumerate(prompts[:sent]):
+            await asyncio.sleep(0.1)  # 8 x 0.1 s: longer than the timeout in all
+            payload = encode_batch(EventBatch(time.time(), (stored([100 + seq], None, tokens),)))
+            await router.send_multipart((client, b"", sequence_bytes(seq), payload))
+        if end_mark:
+            await router.send_multipart((client, b"", sequence_bytes(-1), b""))
+
+    cases = (  # batches sent, end mark sent, the gap's last batch, partial after
+        (8, True, None, False),
+        (3, False, None, True),  # stops answering mid-replay
+        (8, False, 7, False),  # the whole gap, then its end mark lost
+        (3, False, 7, True),
+    )
+    try:
+        for sent, end_mark, until, partial in cases:
+            subscriber = KVEventSubscriber({"p": EventEndpoints(f"tcp://127.0.0.1:{free_port()}",
+                                                                f"tcp://127.0.0.1:{port}")})
+            stream = subscriber.streams["p"]
+            server = asyncio.create_task(serve(sent, end_mark))
+            await subscriber._replay("p", subscriber.endpoints["p"], stream, 0, until=until)
+            await server
+            assert stream.partial is partial and stream.lost == int(partial), (sent, end_mark, until, stream)
+            assert stream.replayed == sent and stream.last_seq == sent - 1
+    finally:
+        router.close(linger=0)
 
 
 def _train_tokenizer(path):

@@ -27,7 +27,8 @@ logger = logging.getLogger("lora_affinity.kv_events")
 CATCH_UP_AFTER_S = 1.0
 """A pod silent this long is asked for anything after its last batch (one small request to its replay socket)."""
 REPLAY_TIMEOUT_S = 2.0
-"""How long a replay may take before the pod's index is marked partial and the stream followed on."""
+"""How long a replay may stay silent before the pod's index is marked partial and the stream followed on. A
+silence, not a total: a long gap replays for as long as batches keep coming, however busy this host is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,7 @@ class KVEventSubscriber:
             last = None
         if last is not None and seq > last + 1:
             stream.gaps += 1
-            await self._replay(pod, endpoints, stream, last + 1)
+            await self._replay(pod, endpoints, stream, last + 1, until=seq - 1)
             if stream.last_seq is not None and seq <= stream.last_seq:
                 return
         self._apply(pod, stream, seq, payload)
@@ -167,9 +168,11 @@ class KVEventSubscriber:
         stream.lag_s = max(0.0, stream.last_at - batch.ts)
 
     async def _replay(self, pod: str, endpoints: EventEndpoints, stream: PodStream, first: int,
-                      joining: bool = False, catch_up: bool = False) -> None:
+                      joining: bool = False, catch_up: bool = False, until: int | None = None) -> None:
         """Apply the pod's buffered batches from `first` on; a missing start marks the index partial. `catch_up`:
-        a check on a quiet pod, which finds nothing most of the time (no answer is no loss)."""
+        a check on a quiet pod, which finds nothing most of the time (no answer is no loss). `until`: the gap's
+        last batch; once it is applied the gap is filled, without waiting for the end mark (a busy ROUTER socket
+        drops what passes its high-water mark, and the mark comes last)."""
         if endpoints.replay is None:
             if not joining and not catch_up:
                 stream.partial = True
@@ -194,6 +197,7 @@ class KVEventSubscriber:
                     stream.partial = True
                     return
                 frames = await dealer.recv_multipart()
+                deadline = time.monotonic() + REPLAY_TIMEOUT_S
                 if len(frames) != 3:
                     continue
                 seq = sequence_of(frames[1])
@@ -210,5 +214,7 @@ class KVEventSubscriber:
                 self._apply(pod, stream, seq, frames[2])
                 stream.replayed += 1
                 expected = seq + 1
+                if until is not None and seq >= until:
+                    return
         finally:
             dealer.close(linger=0)
