@@ -246,6 +246,34 @@ def test_a_chats_ids_are_the_whole_renders_with_its_head_tokenized_once(tmp_path
     assert keys == list(chain_keys(seed, ids, BS))  # the head's keys kept, the rest chained on from them
 
 
+def test_a_one_message_prompts_document_is_tokenized_once_and_unrepeated_prompts_stay_bounded(tmp_path, monkeypatch):
+    """A text completion or a single user message: the document above its last blank line is the head that is
+    kept, the question under it is tokenized per request, and the ids are still the whole prompt's. Prompts that
+    never repeat are kept only up to the token bound."""
+    from lora_affinity_plugin import tokenization
+    from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE
+    from tokenizers import Tokenizer
+
+    _train_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    monkeypatch.setattr(tokenization, "CACHED_HEAD_TOKENS", 3000)
+    tokenizer = tokenization.PromptTokenizer(str(tmp_path / "tokenizer.json"), str(tmp_path / "chat.jinja"))
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    document = "Report: " + "travel rules answer the question. " * 40
+    for question in ("where to?", "and the weather there", " a leading space", "user system\n\nnewlines"):
+        content = f"{document}\n\n{question}"
+        chat, bare = tokenizer.candidates([{"role": "user", "content": content}])
+        assert chat == whole.encode(f"<|user|>\n{content}\n<|assistant|>\n", add_special_tokens=False).ids, question
+        assert bare == whole.encode(content).ids, question
+    assert sorted(text for text, _ in tokenizer._heads if text.endswith(document)) == [f"<|user|>\n{document}", document]
+    seed = chain_seed("travel-lora", None)
+    chat_keys, bare_keys = tokenizer.chains(seed, [{"role": "user", "content": content}], BS)
+    assert chat_keys == list(chain_keys(seed, chat, BS)) and bare_keys == list(chain_keys(seed, bare, BS))
+    for i in range(60):  # long prompts seen once each
+        tokenizer.candidates([{"role": "user", "content": f"report {i}: " + "weather billing rules " * 60}])
+    assert 0 < tokenizer._heads._held <= 3000 and len(tokenizer._heads) < 60
+
+
 async def test_the_scraper_follows_the_events_of_proven_pods_only():
     from lora_affinity_plugin.kv_follow import KVEventSharing, event_endpoints
     from lora_affinity_plugin.settings import build_settings

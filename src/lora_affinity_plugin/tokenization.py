@@ -9,18 +9,24 @@ message, so such a request is tokenized both ways and each pod is matched by the
 
 A long prompt's head repeats (an app's instructions, a document, a conversation so far) while its tail is new:
 the rendered chat is split after its first message, and the head's ids are kept, so only the tail is
-tokenized per request. The split falls where the template starts the next message (a newline and its role
-marker), a boundary a byte-level tokenizer's pre-tokenizer does not merge across; where it would, the ids
-differ from the engine's at the tail only, and the match counts fewer blocks, never more.
+tokenized per request. A prompt that is one message (a text completion, a RAG app's single user message) is
+split before its last paragraph break instead: the document above it is the part that repeats. The split
+falls where the template starts the next message (a newline and its role marker) or before a blank line,
+boundaries a byte-level tokenizer's pre-tokenizer seldom merges across; where it does, the ids differ from
+the engine's from that block on, and the match counts fewer blocks, never more.
+
+The kept heads are bounded by their tokens as well as their number (ids and keys in arrays, not lists of
+Python ints), so prompts that never repeat cost a bounded few megabytes.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+from array import array
 from collections import OrderedDict
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Generic, Hashable, Mapping, TypeVar
 
 from .token_blocks import chain_keys
 
@@ -28,7 +34,10 @@ logger = logging.getLogger("lora_affinity")
 
 CACHED_HEADS = 256
 """Prompt heads (an app's instructions, a document) whose ids and block keys are kept."""
+CACHED_HEAD_TOKENS = 2_000_000
+"""At most this many kept ids (4 bytes each), and as many bytes of keys (8 each, one per block)."""
 MIN_HEAD_CHARS = 64
+PARAGRAPH = "\n\n"
 
 
 class PromptTokenizer:
@@ -42,9 +51,9 @@ class PromptTokenizer:
 
             with open(chat_template_path, encoding="utf-8") as f:
                 self._template = jinja2.Environment(autoescape=False, keep_trailing_newline=True).from_string(f.read())
-        self._heads: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
+        self._heads: _Recent[tuple[str, bool], array] = _Recent(CACHED_HEADS, CACHED_HEAD_TOKENS)
         """Recent prompt heads' ids (a request's new tail is tokenized each time, and not kept)."""
-        self._head_keys: OrderedDict[tuple[int, str, int], list[int]] = OrderedDict()
+        self._head_keys: _Recent[tuple[int, str, int], array] = _Recent(CACHED_HEADS, CACHED_HEAD_TOKENS // 2)
         """Recent heads' block keys, per chain seed (adapter, salt) and block size."""
 
     def chains(self, seed: int, messages: Any, block_size: int) -> list[list[int]]:
@@ -54,7 +63,7 @@ class PromptTokenizer:
 
     def candidates(self, messages: Any) -> list[list[int]]:
         """The token ids of those same readings (`chains` without the keys)."""
-        return [self._ids(head, True, special) + (self.encode(tail, special) if tail else [])
+        return [self._ids(head, special).tolist() + (self.encode(tail, False) if tail else [])
                 for head, tail, special in self._parts(messages)]
 
     def _parts(self, messages: Any) -> list[tuple[str, str, bool]]:
@@ -68,53 +77,97 @@ class PromptTokenizer:
             except Exception:  # a template that cannot render this request: no exact match for it
                 text = None
             if text is not None:
-                out.append((*_split(text, messages[0].get("content")), False))
+                out.append((*_split(text, messages[0].get("content"), whole=len(messages) > 1), False))
         if len(messages) == 1 and isinstance(messages[0], dict) and isinstance(messages[0].get("content"), str):
-            out.append((messages[0]["content"], "", True))
+            content = messages[0]["content"]
+            cut = _paragraph_cut(content)
+            out.append((content[:cut], content[cut:], True))
         return out
 
     def _keys(self, seed: int, head: str, tail: str, special: bool, block_size: int) -> list[int]:
-        head_ids = self._ids(head, True, special)
+        """The head's kept keys, and the tail's chained on from them (its ids without special tokens: those
+        belong at the prompt's start, in the head)."""
+        head_ids = self._ids(head, special)
         cached = (seed, head, block_size)
         keys = self._head_keys.get(cached)
         if keys is None:
-            keys = self._head_keys[cached] = list(chain_keys(seed, head_ids, block_size))
-            if len(self._head_keys) > CACHED_HEADS:
-                self._head_keys.popitem(last=False)
-        else:
-            self._head_keys.move_to_end(cached)
+            keys = array("Q", chain_keys(seed, head_ids, block_size))
+            self._head_keys.put(cached, keys, len(keys))
         if not tail:
-            return keys
-        rest = head_ids[len(keys) * block_size:] + self.encode(tail, special)
-        return keys + list(chain_keys(keys[-1] if keys else seed, rest, block_size))
+            return keys.tolist()
+        rest = head_ids[len(keys) * block_size:].tolist() + self.encode(tail, False)
+        return keys.tolist() + list(chain_keys(keys[-1] if keys else seed, rest, block_size))
 
-    def _ids(self, text: str, keep: bool, special: bool) -> list[int]:
+    def _ids(self, text: str, special: bool) -> array:
         key = (text, special)
         ids = self._heads.get(key)
         if ids is None:
-            ids = self.encode(text, special)
-            if keep:
-                self._heads[key] = ids
-                if len(self._heads) > CACHED_HEADS:
-                    self._heads.popitem(last=False)
-        else:
-            self._heads.move_to_end(key)
+            ids = array("I", self.encode(text, special))
+            self._heads.put(key, ids, len(ids))
         return ids
 
     def encode(self, text: str, special: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=special).ids
 
 
-def _split(text: str, first: Any) -> tuple[str, str]:
-    """The rendered chat as (head through the first message, the rest): where the template starts the next
-    message (a newline, a marker), a boundary a byte-level pre-tokenizer does not merge across."""
+def _split(text: str, first: Any, whole: bool) -> tuple[str, str]:
+    """The rendered chat as (the head, the rest). `whole`: the head runs through the first message, where the
+    template starts the next one (a newline, a marker); else (the prompt is that one message) up to the message's
+    last paragraph break."""
     if isinstance(first, str) and len(first) >= MIN_HEAD_CHARS:
         at = text.find(first)
         if at >= 0:
+            if not whole:
+                return text[:at + _paragraph_cut(first)], text[at + _paragraph_cut(first):]
             end = at + len(first)
             if end == len(text) or text[end] in "\n<":
                 return text[:end], text[end:]
     return text, ""
+
+
+def _paragraph_cut(content: str) -> int:
+    """Where a one-message prompt's repeated part likely ends: before its last blank line (a question under a
+    document), or its end when it has none past `MIN_HEAD_CHARS`."""
+    cut = content.rfind(PARAGRAPH)
+    return cut if cut >= MIN_HEAD_CHARS else len(content)
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Recent(Generic[K, V]):
+    """The most recently used entries, at most `entries` of them and `units` in all (each entry's size is
+    given as it is put); the least recent go first."""
+
+    def __init__(self, entries: int, units: int) -> None:
+        self._entries, self._units, self._held = entries, units, 0
+        self._data: OrderedDict[K, tuple[V, int]] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        found = self._data.get(key)
+        if found is None:
+            return None
+        self._data.move_to_end(key)
+        return found[0]
+
+    def put(self, key: K, value: V, units: int) -> None:
+        if units > self._units:
+            return  # larger than the whole cache: computed again when it comes back
+        old = self._data.pop(key, None)
+        if old is not None:
+            self._held -= old[1]
+        self._data[key] = (value, units)
+        self._held += units
+        while len(self._data) > self._entries or self._held > self._units:
+            _, (_, gone) = self._data.popitem(last=False)
+            self._held -= gone
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 @lru_cache(maxsize=16)
