@@ -100,3 +100,7 @@ def test_the_engines_events_show_the_documents_another_client_cached():
         inferred, exact = (run_fast(scenario, name, seed=seed) for name in ("lora-affinity", "lora-affinity-exact"))
         assert inferred.errors == exact.errors == 0
         assert exact.hit_rate > inferred.hit_rate + 0.02, (seed, exact.hit_rate, inferred.hit_rate)
+        # The gateway's own requests gain too (the fleet's rate counts the batch job's as well).
+        assert exact.gateway_hit_rate > inferred.gateway_hit_rate + 0.02, (seed, exact.gateway_hit_rate,
+                                                                             inferred.gateway_hit_rate)
+        assert exact.gateway_hit_rate != exact.hit_rate

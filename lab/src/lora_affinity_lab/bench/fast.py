@@ -219,6 +219,7 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 push(nxt.arrival, "arrive", nxt)
                 push(nxt.arrival + scenario.deadline_s, "timeout", nxt.index)
 
+    own_queries = own_hits = 0  # the gateways' requests alone (the fleet's counters include other clients')
     requested: dict[int, object] = {r.index: r for r in requests}
     watch.started(engines, policies)
     # The gateways have been running before the load starts: they already see one scrape.
@@ -257,6 +258,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 if index is None:
                     continue  # another client's request, past the gateways
                 _, _, _, req = seqs[index]
+                own_queries += seq.queried_tokens
+                own_hits += seq.hit_tokens
                 latency = now - req.arrival
                 for policy in policies:
                     policy.completed(replica, now, latency, seq.generated)
@@ -332,6 +335,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     result = summarize_classes(strategy, scenario.name, "fast", ordered, last_event, scenario.replicas)
     queries = sum(e.prefix_queries_total for e in engines)
     result.hit_rate = round(sum(e.prefix_hits_total for e in engines) / queries, 4) if queries else None
+    if scenario.background_rate and own_queries:
+        result.gateway_hit_rate = round(own_hits / own_queries, 4)
     result.rate = scenario.arrival_rate
     return result
 

@@ -45,6 +45,8 @@ class Result:
     itl_s: dict[str, float] = field(default_factory=dict)
     hit_rate: float | None = None
     """The fleet's prefix-cache hit rate: hit / queried prompt tokens, from the replicas' counters."""
+    gateway_hit_rate: float | None = None
+    """Fast mode with another client on the fleet: the same for the gateways' requests alone."""
     rate: float | None = None
     """Open-loop arrivals per second (None: the closed-loop seed client)."""
     shed: int = 0

@@ -96,6 +96,9 @@ class Sequence:
     """Cached blocks this sequence references (a subset of its `blocks`)."""
     cached_tokens: int = 0
     """Prompt tokens found cached at its last admission."""
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    """Its share of the engine's prefix-cache counters, every admission (a preempted one is counted again)."""
     prompt_text: str | None = None
     """The prompt's text, to name the blocks of its reply when it ends (None: not cached)."""
     salt: str | None = None
@@ -250,6 +253,8 @@ class ReplicaEngine:
             seq.cached_tokens = hits * self.config.block_size
             self.prefix_queries_total += seq.prompt_tokens
             self.prefix_hits_total += seq.cached_tokens
+            seq.queried_tokens += seq.prompt_tokens
+            seq.hit_tokens += seq.cached_tokens
             tokens += computed
             if seq.adapter is not None:
                 batch_adapters.add(seq.adapter)
