@@ -22,7 +22,7 @@ from ..sim.engine import EngineConfig, ReplicaEngine, Sequence
 from ..sim.kv_cache import block_hashes, count_tokens, prompt_text
 from lora_affinity_plugin.podstate import PodMetrics
 from .policies import SHED, Policy, make_policy
-from .prefix_workloads import PrefixWorkload, background_text
+from .prefix_workloads import BACKGROUND_OUTPUT_TOKENS, PrefixWorkload, background_arrivals
 from .prompt_shapes import lora_prompt
 from .results import RequestOutcome, Result, summarize_classes
 from .scenarios import SEED_PROMPT, Scenario
@@ -230,13 +230,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     push(0.0, "scrape")
     if scenario.slowdown is not None:
         push(scenario.slowdown[0], "slowdown", scenario.slowdown[1:])
-    if scenario.background_rate:
-        background = random.Random(f"{seed}-background")
-        at, turn = 0.0, 0
-        while at < scenario.duration_s:
-            at += background.expovariate(scenario.background_rate)
-            push(at, "background", (turn % scenario.replicas, turn))
-            turn += 1
+    for at, replica, turn in background_arrivals(scenario, seed):
+        push(at, "background", (replica, turn))
     if gateways > 1:  # the gateways have been sharing before the load starts: they know their peers
         for g, policy in enumerate(policies):
             shares = [share for i, p in enumerate(policies) if i != g and (share := p.share()) is not None]
@@ -312,13 +307,10 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         elif kind == "background":  # another client's request, straight to a replica
             replica, turn = data
             engine = engines[replica]
-            adapter = None
-            if scenario.background_documents and prefix_load is not None:
-                adapter, messages = prefix_load.foreign(turn)
+            adapter, messages, body = prefix_load.background(turn)
+            if messages is not None:
                 body = prompt_text({"messages": messages})
-            else:
-                body = f"Batch job {seed}-{turn}: " + background_text(seed, turn, scenario.background_tokens)
-            engine.add(Sequence(f"background-{turn}", adapter, count_tokens(body), 20, arrival=now,
+            engine.add(Sequence(f"background-{turn}", adapter, count_tokens(body), BACKGROUND_OUTPUT_TOKENS, arrival=now,
                                 block_hashes=block_hashes(body, adapter, None, engine.config.block_size),
                                 prompt_text=body), now)
             kick(replica, now)

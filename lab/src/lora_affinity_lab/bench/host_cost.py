@@ -28,12 +28,10 @@ import time
 from dataclasses import replace
 
 import httpx
-import redis
 
 from ..processes import MASTER_KEY, free_port, redis_server, scratch_dir
-from lora_affinity_plugin.exact_share import decode_changes, snapshot_key
 from lora_affinity_plugin.settings import Settings
-from .live import Fleet
+from .live import Fleet, shared_exact_index
 from .prefix_workloads import _WORDS
 from .tokenizer_files import write_tokenizer_files
 from .scenarios import get_scenario
@@ -129,15 +127,6 @@ def _idle_cpu_ms_per_s(fleets: dict[str, Fleet], seconds: float) -> dict[str, fl
             for name in fleets}
 
 
-def _exact_index(redis_port: int) -> tuple[int, int]:
-    """(pods, blocks) in the exact index the scraper shares through Redis (`exact_share.py`)."""
-    snapshot = redis.Redis(port=redis_port).hgetall(snapshot_key(Settings().key_prefix))
-    if b"c" not in snapshot:
-        return 0, 0
-    changes = decode_changes(snapshot[b"c"])
-    return len(changes), sum(len(change.added) for change in changes.values())
-
-
 def run_host_cost(args: argparse.Namespace) -> int:
     requests = args.requests or 100
     rounds = max(1, args.repeat if args.repeat > 1 else 5)
@@ -168,7 +157,7 @@ def run_host_cost(args: argparse.Namespace) -> int:
                 _turn(fleets[strategy], kind, min(10, requests), prompt_chars)
         idle = _idle_cpu_ms_per_s(fleets, IDLE_S if requests >= 20 else 2.0)
         if kv_events is not None:
-            pods, blocks = _exact_index(redis_port)
+            pods, blocks = shared_exact_index(redis_port)
             print(f"the engines' KV events: the shared index holds {blocks} blocks of {pods} pods")
             if not blocks:
                 failures += 1  # the plugin would have matched nothing exactly: not the cost being measured

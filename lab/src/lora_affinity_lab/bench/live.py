@@ -22,6 +22,9 @@ import redis
 import yaml
 from tqdm import tqdm
 
+from lora_affinity_plugin.exact_share import decode_changes, snapshot_key
+from lora_affinity_plugin.settings import Settings
+
 from ..processes import (
     MASTER_KEY,
     Proc,
@@ -36,16 +39,24 @@ from ..processes import (
 )
 from .policies import RULE_SETS, bench_overrides
 from .loadgen import run_load
-from .open_loop import run_open_loop
+from .open_loop import Background, run_open_loop
 from .prefix_workloads import PrefixWorkload
+from .tokenizer_files import write_tokenizer_files
 from .results import Result, summarize_classes
 from .scenarios import Scenario
 from .transport import TransportProbe
 
 LITELLM_BUILTINS = {"simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2"}
-PLUGIN_RULES = {**RULE_SETS,
+PLUGIN_RULES = {**{name: rules for name, rules in RULE_SETS.items() if name != "exact-state-oracle"},
                 "lora-affinity-unpooled": {"pooled_clients": False}}
+"""The oracle reads the simulated engines' caches in-process: fast mode only."""
 LIVE_STRATEGIES = LITELLM_BUILTINS | set(PLUGIN_RULES) | {"per-connection-random"}
+EXACT_STRATEGY = "lora-affinity-exact"
+"""Live, its replicas publish KV events and its scraper follows them (`--kv-events-config`)."""
+TOKENIZER_VOCAB = 360
+"""The trained tokenizer's vocabulary in a run with the exact strategy: its tokens average 3 bytes of the
+benchmarks' text, as the simulator's own tokenizer's do, so every workload keeps its size in tokens (and its
+pressure on the caches) as in fast mode."""
 DEFAULT_SPEED = 10.0
 
 
@@ -210,21 +221,36 @@ def sim_arguments(s: Scenario, base_port: int, speed: float, seed: int, lora_inf
     return args + ["--lora-info-style", lora_info_style, "--mean-output-tokens", str(s.mean_output_tokens)]
 
 
+def shared_exact_index(redis_port: int) -> tuple[int, int]:
+    """(pods, blocks) in the exact index the scraper shares through Redis (`exact_share.py`)."""
+    snapshot = redis.Redis(port=redis_port).hgetall(snapshot_key(Settings().key_prefix))
+    if b"c" not in snapshot:
+        return 0, 0
+    changes = decode_changes(snapshot[b"c"])
+    return len(changes), sum(len(change.added) for change in changes.values())
+
+
 def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int, seed: int, redis_port: int,
                  workdir: Path, bar: tqdm | None = None, config_path: Path | None = None,
                  after_load: Callable[[Fleet, Result], None] | None = None, lora_info_style: str = "legacy",
-                 overrides: dict | None = None, proxy_workers: int = 1) -> Result:
+                 overrides: dict | None = None, proxy_workers: int = 1, tokenizer: dict | None = None) -> Result:
+    """`tokenizer`: the files every strategy's replicas tokenize with (the same prompts for all); the exact
+    strategy's replicas also publish KV events, and its plugin matches prompts with them."""
     if strategy not in LIVE_STRATEGIES:
         raise SystemExit(f"strategy {strategy!r} runs in fast mode only; live: {', '.join(sorted(LIVE_STRATEGIES))}")
+    if strategy == EXACT_STRATEGY and tokenizer is None:
+        raise SystemExit(f"{EXACT_STRATEGY} needs a tokenizer for its replicas and its plugin")
+    kv_events = tokenizer if strategy == EXACT_STRATEGY else None
     with Fleet(scenario, strategy, speed, gateways, seed, redis_port, workdir, config_path, lora_info_style,
-               overrides, proxy_workers) as fleet:
+               overrides, proxy_workers, kv_events=kv_events, tokenizer=tokenizer and tokenizer["tokenizer"]) as fleet:
         if bar is not None:
             bar.set_description(strategy)
         probe = fleet.transport_probe()
+        background = Background(fleet.replica_urls) if scenario.background_rate else None
         if scenario.open_loop:
             outcomes, duration = asyncio.run(run_open_loop(
                 PrefixWorkload(scenario, seed), fleet.targets, speed, scenario.deadline_s, api_key=MASTER_KEY,
-                on_done=bar.update if bar else None))
+                on_done=bar.update if bar else None, background=background))
         else:
             outcomes, duration = asyncio.run(run_load(
                 scenario, fleet.targets, speed, seed, api_key=MASTER_KEY,
@@ -234,6 +260,18 @@ def run_strategy(scenario: Scenario, strategy: str, speed: float, gateways: int,
         result.per_replica = fleet.served_per_replica()
         result.hit_rate = fleet.prefix_hit_rate()
         result.rate = scenario.arrival_rate if scenario.open_loop else None
+        if kv_events is not None:
+            pods, blocks = shared_exact_index(redis_port)
+            print(f"{strategy}: the shared index holds {blocks} blocks of {pods} pods")
+            if not blocks:  # the plugin matched nothing exactly: this was the inferred index under another name
+                result.errors += 1
+                result.error_kinds["an empty exact index"] = 1
+        if background is not None:
+            print(f"{strategy}: the other client sent {background.sent} requests straight to the replicas, "
+                  f"{background.failed} failed")
+        if background is not None and background.failed:  # the fleet did not carry the other client's load
+            result.errors += background.failed
+            result.error_kinds["the other client's requests"] = background.failed
         if after_load is not None:
             after_load(fleet, result)
     return result
@@ -248,6 +286,10 @@ def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace
         print("redis-server not found: using fakeredis's embedded TCP server")
     print(f"live mode at {speed:g}x speed; logs in {workdir}")
     results = []
+    tokenizer = write_tokenizer_files(workdir / "tokenizer", TOKENIZER_VOCAB) if EXACT_STRATEGY in strategies else None
+    if tokenizer is not None:
+        print(f"every strategy's replicas tokenize with {tokenizer['tokenizer']} (trained here); "
+              f"{EXACT_STRATEGY}'s publish KV events")
     try:
         styles = [x.strip() for x in getattr(args, "lora_info_style", "legacy").split(",")]
         with tqdm(total=scenario.requests * len(strategies) * len(styles), unit="req", leave=False) as bar:
@@ -255,7 +297,7 @@ def run_live(scenario: Scenario, strategies: list[str], args: argparse.Namespace
                 for strategy in strategies:
                     result = run_strategy(scenario, strategy, speed, gateways, args.seed, redis_port, workdir, bar,
                                           lora_info_style=style, overrides=bench_overrides(args),
-                                          proxy_workers=args.proxy_workers)
+                                          proxy_workers=args.proxy_workers, tokenizer=tokenizer)
                     if len(styles) > 1:
                         result.strategy += f" [{style}]"
                     results.append(result)

@@ -11,16 +11,28 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 import aiohttp
 
 from .loadgen import CLIENT_KEEPALIVE_S
-from .prefix_workloads import PrefixWorkload, PromptRequest
+from .prefix_workloads import BACKGROUND_OUTPUT_TOKENS, PrefixWorkload, PromptRequest, background_arrivals
 from .results import RequestOutcome
 
 
+@dataclass
+class Background:
+    """Another client's requests (kv-pressure-shared, -foreign), sent straight to the replicas, past the gateways,
+    on the same schedule as in fast mode; how many failed (a run where some did is not comparable)."""
+
+    replicas: list[str]
+    sent: int = 0
+    failed: int = 0
+
+
 async def run_open_loop(workload: PrefixWorkload, targets: list[str], speed: float, deadline_s: float, *,
-                        api_key: str | None, on_done=None) -> tuple[list[RequestOutcome], float]:
+                        api_key: str | None, on_done=None, background: Background | None = None
+                        ) -> tuple[list[RequestOutcome], float]:
     outcomes: dict[int, RequestOutcome] = {}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.monotonic()
@@ -82,10 +94,33 @@ async def run_open_loop(workload: PrefixWorkload, targets: list[str], speed: flo
         return RequestOutcome(None, True, tokens, (first - created) * speed if first else None,
                               (end - created) * speed, itl_s=itl, sheddable=req.sheddable), "".join(reply)
 
+    async def other_client(session: aiohttp.ClientSession, at: float, replica: int, turn: int) -> None:
+        delay = at / speed - (time.monotonic() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        adapter, messages, prompt = workload.background(turn)
+        body = {"max_tokens": BACKGROUND_OUTPUT_TOKENS, "ignore_eos": True,
+                **({"model": adapter} if adapter else {}),
+                **({"messages": messages} if messages is not None else {"prompt": prompt})}
+        path = "/v1/chat/completions" if messages is not None else "/v1/completions"
+        background.sent += 1
+        try:
+            async with asyncio.timeout(deadline_s / speed):
+                async with session.post(background.replicas[replica] + path, json=body) as resp:
+                    await resp.read()
+                    background.failed += resp.status != 200
+        except (asyncio.TimeoutError, TimeoutError, aiohttp.ClientError):
+            background.failed += 1
+
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         for req in workload.initial():
             schedule(session, req)
+        others = [asyncio.create_task(other_client(session, at, replica, turn))
+                  for at, replica, turn in (background_arrivals(workload.scenario, workload.seed) if background else ())]
         while tasks:
             await asyncio.gather(*list(tasks))
+        for task in others:  # the other client stops with the gateways' load
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
     return [outcomes[i] for i in sorted(outcomes)], last_event[0] * speed

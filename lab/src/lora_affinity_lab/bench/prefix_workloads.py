@@ -74,6 +74,23 @@ def background_text(seed: int, turn: int, tokens: int) -> str:
     return text(random.Random(f"{seed}-background-{turn}"), tokens)
 
 
+BACKGROUND_OUTPUT_TOKENS = 20
+
+
+def background_arrivals(scenario, seed: int) -> list[tuple[float, int, int]]:
+    """Another client's requests (kv-pressure-shared and -foreign), straight to the replicas in turn, past the
+    gateways: (arrival in simulated seconds, replica, turn), Poisson at `background_rate`."""
+    if not scenario.background_rate:
+        return []
+    rng = random.Random(f"{seed}-background")
+    out, at, turn = [], 0.0, 0
+    while at < scenario.duration_s:
+        at += rng.expovariate(scenario.background_rate)
+        out.append((at, turn % scenario.replicas, turn))
+        turn += 1
+    return out
+
+
 @dataclass
 class PrefixWorkload:
     """The requests of one run; `follow_up` yields a session's next turn once a reply arrives."""
@@ -142,6 +159,15 @@ class PrefixWorkload:
             rng, s.question_tokens)
         messages = [{"role": "system", "content": self._system(tenant)}, {"role": "user", "content": content}]
         return s.adapters[tenant % len(s.adapters)], messages
+
+    def background(self, turn: int) -> tuple[str | None, list[dict] | None, str | None]:
+        """Another client's request `turn` (see `background_arrivals`): (adapter, chat messages, or a bare prompt).
+        A question about a tenant's document (kv-pressure-foreign), else a unique long prompt (-shared)."""
+        s = self.scenario
+        if s.background_documents:
+            adapter, messages = self.foreign(turn)
+            return adapter, messages, None
+        return None, None, f"Batch job {self.seed}-{turn}: " + background_text(self.seed, turn, s.background_tokens)
 
     def follow_up(self, request: PromptRequest, reply: str, now: float) -> PromptRequest | None:
         """The session's next turn, after the reply and a think time; None when the session is over."""

@@ -12,15 +12,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def write_tokenizer_files(directory: Path) -> dict[str, str]:
-    """Writes `tokenizer.json` and `chat.jinja` into `directory`; the plugin's `tokenizers` entry for them."""
+def write_tokenizer_files(directory: Path, vocab_size: int = 600) -> dict[str, str]:
+    """Writes `tokenizer.json` and `chat.jinja` into `directory`; the plugin's `tokenizers` entry for them.
+    `vocab_size`: 600 gives about a token a word; a smaller vocabulary, shorter tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # a LiteLLM dependency
 
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     words = list(_WORDS) + ["question", "report", "what", "is", "in", "the", "system", "user", "assistant"]
     corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(400)]
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["[UNK]"],
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"],
                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
