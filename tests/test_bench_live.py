@@ -93,6 +93,20 @@ def test_scrape_scale_reports_cpu_per_scrape_and_the_interval():
     assert "CPU per scrape, full parse / ours" in stdout
 
 
+def test_a_row_that_did_not_measure_what_it_names_is_refused_whatever_its_errors():
+    """An exact index that stayed empty, or another client's failed requests, make a run without errors another
+    run than the one its row names; a median over seeds keeps the reason."""
+    from lora_affinity_lab.bench.latency import median_latency
+    from lora_affinity_lab.bench.results import Result, refusal
+
+    clean = Result("lora-affinity-exact", "kv-pressure-foreign", "live", 450, 0, 0, 600.0, 1000)
+    empty = Result("lora-affinity-exact", "kv-pressure-foreign", "live", 450, 0, 0, 600.0, 1000,
+                   invalid="the exact index stayed empty")
+    assert refusal(clean) is None
+    assert refusal(empty) == "lora-affinity-exact: the exact index stayed empty, so this row is not published"
+    assert "the exact index stayed empty" in refusal(median_latency([clean, empty, clean]))
+
+
 def test_a_live_row_with_more_than_one_percent_errors_is_refused(monkeypatch, capsys):
     import argparse
 

@@ -111,7 +111,8 @@ def median_latency(runs: list[Result]) -> Result:
         duration_s=med(lambda r: r.duration_s), output_tokens=int(med(lambda r: r.output_tokens)),
         ttft_s=pct("ttft_s"), e2e_s=pct("e2e_s"), itl_s=pct("itl_s"), per_replica=first.per_replica,
         seeds=len(runs), hit_rate=med(lambda r: r.hit_rate or 0.0), rate=first.rate, shed=int(med(lambda r: r.shed)),
-        classes=classes, ttft_p90_by_seed=[round(r.ttft_s.get("p90", 0.0), 4) for r in runs])
+        classes=classes, ttft_p90_by_seed=[round(r.ttft_s.get("p90", 0.0), 4) for r in runs],
+        invalid="; ".join(sorted({r.invalid for r in runs if r.invalid})))
 
 
 def format_latency_table(results: list[Result]) -> str:

@@ -47,6 +47,9 @@ class Result:
     """The fleet's prefix-cache hit rate: hit / queried prompt tokens, from the replicas' counters."""
     gateway_hit_rate: float | None = None
     """Fast mode with another client on the fleet: the same for the gateways' requests alone."""
+    invalid: str = ""
+    """Why the run did not measure what it names, though its requests succeeded (an exact index that stayed
+    empty, another client's load that the fleet did not carry); never published."""
     rate: float | None = None
     """Open-loop arrivals per second (None: the closed-loop seed client)."""
     shed: int = 0
@@ -100,7 +103,10 @@ def machine_warning(result: Result) -> str | None:
 
 
 def refusal(result: Result) -> str | None:
-    """Why `result` must not be published, or None when it may: too many errors, or a saturated proxy."""
+    """Why `result` must not be published, or None when it may: not the run it names, too many errors, or a
+    saturated proxy."""
+    if result.invalid:
+        return f"{result.strategy}: {result.invalid}, so this row is not published"
     load = _transport(result)
     if load is not None and load.saturated:
         return (f"{result.strategy}: its busiest proxy worker used {load.proxy_busiest_worker:.0%} of a core over the "
