@@ -107,7 +107,7 @@ async def test_a_slow_replay_is_followed_to_its_end_and_only_a_silent_one_marks_
     """The replay timeout is a silence, not a total: a busy pod (or a busy subscriber) may take longer than it to
     send a long gap, batch after batch, and the index is still exact. A gap whose last batch has come is filled
     without the end mark (a busy ROUTER socket drops what passes its high-water mark, and the mark comes last)."""
-    monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 0.5)  # 5 pauses: a silence, never a busy loop's delay
     ctx = zmq.asyncio.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -116,7 +116,7 @@ async def test_a_slow_replay_is_followed_to_its_end_and_only_a_silent_one_marks_
     async def serve(sent, end_mark):
         client, _, _start = await router.recv_multipart()
         for seq, tokens in enumerate(prompts[:sent]):
-            await asyncio.sleep(0.1)  # 8 x 0.1 s: longer than the timeout in all
+            await asyncio.sleep(0.1)  # 8 x 0.1 s: longer than the timeout in all, each pause a fifth of it
             payload = encode_batch(EventBatch(time.time(), (stored([100 + seq], None, tokens),)))
             await router.send_multipart((client, b"", sequence_bytes(seq), payload))
         if end_mark:

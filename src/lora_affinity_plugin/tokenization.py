@@ -118,7 +118,8 @@ def _split(text: str, first: Any, whole: bool) -> tuple[str, str]:
         at = text.find(first)
         if at >= 0:
             if not whole:
-                return text[:at + _paragraph_cut(first)], text[at + _paragraph_cut(first):]
+                cut = at + _paragraph_cut(first)
+                return text[:cut], text[cut:]
             end = at + len(first)
             if end == len(text) or text[end] in "\n<":
                 return text[:end], text[end:]
