@@ -323,3 +323,55 @@ def test_an_unreadable_batch_marks_the_pod_partial_and_keeps_its_index():
     subscriber._apply("p", stream, 1, b"\xc1 not msgpack")
     assert stream.partial and stream.bad_payloads == 1 and stream.last_seq == 1
     assert subscriber.index.match("p", keys(list(range(BS)), "sql")) == 1
+
+
+async def test_a_proxy_reads_the_change_sets_in_its_one_refresh_round_trip_and_reloads_the_snapshot_after_a_gap():
+    import fakeredis
+
+    from lora_affinity_plugin.exact_share import PodChange, changes_key, encode_changes, snapshot_key
+    from lora_affinity_plugin.fleet import FleetView
+    from lora_affinity_plugin.follower import Follower
+    from lora_affinity_plugin.settings import build_settings
+
+    settings = build_settings({"kv_events": True}, environ={})
+    client = fakeredis.aioredis.FakeRedis()
+    stream, snapshot = changes_key(settings.key_prefix), snapshot_key(settings.key_prefix)
+    follower = Follower(settings, FleetView(settings), lambda: ["a"], lambda s: None)
+    held = follower.fleet.held
+    commands: list[str] = []
+    send = client.execute_command
+
+    async def counted(*args, **options):
+        commands.append(str(args[0]))
+        return await send(*args, **options)
+
+    client.execute_command = counted
+
+    async def write(epoch, number, change):  # as the scraper's sharing does (kv_follow.py)
+        return (await client.xadd(stream, {"e": epoch, "n": number, "c": encode_changes({"a": change})})).decode()
+
+    first = await write("E1", 0, PodChange(True, BS, {1, 2}))
+    await client.hset(snapshot, mapping={"e": "E1", "n": 0, "i": first, "c": encode_changes({"a": PodChange(True, BS, {1, 2})})})
+    commands.clear()
+    await follower.refresh(client)
+    assert commands == ["HGETALL", "EVAL"] and held.match("a", [1, 2, 3]) == 2  # the snapshot, then the stream
+
+    await write("E1", 1, PodChange(False, BS, {3}))
+    commands.clear()
+    await follower.refresh(client)
+    assert commands == ["EVAL"] and held.match("a", [1, 2, 3]) == 3  # a change set: read in the refresh itself
+
+    await write("E1", 3, PodChange(False, BS, set(), {1}))  # number 2 never arrived
+    await follower.refresh(client)
+    assert held.number is None and held.match("a", [1, 2, 3]) == 3  # noticed, nothing half-applied
+    last = await write("E1", 4, PodChange(False, BS, {4}))
+    await client.hset(snapshot, mapping={"n": 4, "i": last, "c": encode_changes({"a": PodChange(True, BS, {2, 3, 4})})})
+    commands.clear()
+    await follower.refresh(client)
+    assert commands == ["HGETALL", "EVAL"] and held.match("a", [1, 2]) == 0 and held.match("a", [2, 3, 4]) == 3
+
+    await write("E2", 0, PodChange(True, BS, {9}))  # a new scraper's numbering: its snapshot is loaded
+    await client.hset(snapshot, mapping={"e": "E2", "n": 0, "i": "0-0", "c": encode_changes({"a": PodChange(True, BS, {9})})})
+    await follower.refresh(client)
+    await follower.refresh(client)
+    assert held.match("a", [9]) == 1 and held.size("a") == 1

@@ -17,6 +17,8 @@ from typing import Any, Iterable, Mapping, Sequence
 FORMAT = b"K1"
 _POD = struct.Struct("<HBHII")
 """Per pod: name length, flags (1: cleared first), block size, keys added, keys removed."""
+CHANGE_SETS_PER_REFRESH = 1_000
+"""A proxy's refresh reads at most this many change sets; a backlog is read over the next refreshes."""
 
 
 def changes_key(prefix: str) -> str:

@@ -17,7 +17,7 @@ from typing import Callable
 from .clock import RedisClock, redis_seconds
 
 from .discovery import decode_served, served_models_key
-from .exact_share import apply_entries, changes_key, decode_changes, snapshot_key
+from .exact_share import CHANGE_SETS_PER_REFRESH, apply_entries, changes_key, decode_changes, snapshot_key
 from .episodes import Episode
 from .fleet import FleetView
 from .inflight import (
@@ -99,10 +99,10 @@ class Follower:
         self.pods_seen: set[str] = set()
         """Other processes sharing in-flight tables, as of the last refresh."""
         self.stream_id = "0-0"
+        """The last prefix-stream entry read: peers' index entries after it are new."""
         self.kv_epoch: bytes = b""
         self.kv_id = "0-0"
         """The last exact-index change set read (`_follow_exact`)."""
-        """The last prefix-stream entry read: peers' index entries after it are new."""
         self.clock = RedisClock()
         """Times read from Redis (scrapes, peers' dispatches, index entries) are on its clock; see `clock.py`."""
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
@@ -156,12 +156,16 @@ class Follower:
         outbox = self.fleet.prefixes.take_outbox(SHARE_MAX_BLOCKS)
         entries = encode_entries([(pod, self.clock.to_redis(at), hashes) for pod, at, hashes in outbox]) \
             if outbox and share_prefixes else ""
+        if self.settings.kv_events and self.fleet.held.number is None:
+            await self._load_exact(client)
+        exact_from = self.kv_id if self.settings.kv_events and self.fleet.held.number is not None else ""
         try:
             sent = time.time()
-            members, raws, stream, redis_now = await client.eval(
-                REFRESH_SCRIPT, 3 + len(reads), members_key(prefix), inflight_key(prefix, self.process),
-                prefix_stream_key(prefix), *reads, self.process, table, ttl_ms, entries,
-                self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH, SHARE_ENTRIES_PER_PROCESS)
+            members, raws, stream, redis_now, changes = await client.eval(
+                REFRESH_SCRIPT, 4 + len(reads), members_key(prefix), inflight_key(prefix, self.process),
+                prefix_stream_key(prefix), changes_key(prefix), *reads, self.process, table, ttl_ms, entries,
+                self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH, SHARE_ENTRIES_PER_PROCESS,
+                exact_from, CHANGE_SETS_PER_REFRESH)
             self.clock.observe(redis_seconds(redis_now), sent, time.time())
         except asyncio.CancelledError:
             raise
@@ -181,8 +185,8 @@ class Follower:
             self.fleet.serve(served)  # what gateways deal over the pods to agree on placements
         self.served_models = served
         self._follow_prefixes(stream)
-        if self.settings.kv_events:
-            await self._follow_exact(client)
+        if exact_from:
+            self._follow_exact(changes)
         self.fleet.maintain(time.time())
         own = self.process.encode()
         self.peers = [m.decode() for m in members if m != own] if sharing else []
@@ -200,25 +204,24 @@ class Follower:
             for pod, at, hashes in decode_entries(values.get(b"e", b"")):
                 self.fleet.prefixes.add_shared(pod, hashes, self.clock.to_local(at))
 
-    async def _follow_exact(self, client) -> None:
-        """The scraper's changes to the exact index since the last refresh; the snapshot when this process has
-        none or missed a change set (`exact_share.py`)."""
-        held = self.fleet.held
-        prefix = self.base.key_prefix
+    async def _load_exact(self, client) -> None:
+        """The exact index's snapshot, when this process has none or missed a change set (`exact_share.py`); the
+        change sets after it come with the next refresh."""
         try:
-            if held.number is None:
-                snap = await client.hgetall(snapshot_key(prefix))
-                if not snap:
-                    return
-                held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
-                self.kv_epoch, self.kv_id = snap[b"e"], snap[b"i"].decode()
-            entries = await client.xrange(changes_key(prefix), min=self.kv_id, count=1_000)
+            snap = await client.hgetall(snapshot_key(self.base.key_prefix))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._redis_down.fail(type(exc).__name__)
             return
-        last = apply_entries(held, self.kv_epoch, entries)
+        if snap:
+            self.fleet.held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
+            self.kv_epoch, self.kv_id = snap[b"e"], snap[b"i"].decode()
+
+    def _follow_exact(self, changes: list) -> None:
+        """The scraper's change sets since the last refresh, read in the refresh's round trip."""
+        last = apply_entries(self.fleet.held, self.kv_epoch,
+                             ((entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in changes))
         if last is not None:
             self.kv_id = last
 

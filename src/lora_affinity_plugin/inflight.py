@@ -130,12 +130,13 @@ def members_key(prefix: str) -> str:
     return f"{{{prefix}}}:inflight:members"
 
 
-# One round trip per refresh. KEYS: members zset, own table, the prefix stream, then keys to read
-# (settings, pod records, peers' tables), all declared so a Cluster routes the call by their hash tag.
-# ARGV: process id, own table ('' = not sharing), table ttl ms, own prefix entries ('' = none),
-# last stream id read ('' = not reading; read inclusively and skipped, so Redis 5 serves it), the stream's
-# least length, entries kept per member process. Returns the members, the values read, the new stream entries
-# and Redis's TIME (`clock.py`).
+# One round trip per refresh. KEYS: members zset, own table, the prefix stream, the exact index's change stream,
+# then keys to read (settings, pod records, peers' tables), all declared so a Cluster routes the call by their hash
+# tag. ARGV: process id, own table ('' = not sharing), table ttl ms, own prefix entries ('' = none), last stream id
+# read ('' = not reading; read inclusively and skipped, so Redis 5 serves it), the stream's least length, entries
+# kept per member process, the last change set id read ('' = not reading; read inclusively, `exact_share.py` skips
+# it), change sets read at most. Returns the members, the values read, the new stream entries, Redis's TIME
+# (`clock.py`) and the change sets.
 REFRESH_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -156,10 +157,14 @@ if ARGV[5] ~= '' then
   end
 end
 local values = {}
-for i = 4, #KEYS do
+for i = 5, #KEYS do
   values[#values + 1] = redis.call('GET', KEYS[i])
 end
-return {redis.call('ZRANGE', KEYS[1], 0, -1), values, stream, t}
+local changes = {}
+if ARGV[8] ~= '' then
+  changes = redis.call('XRANGE', KEYS[4], ARGV[8], '+', 'COUNT', ARGV[9])
+end
+return {redis.call('ZRANGE', KEYS[1], 0, -1), values, stream, t, changes}
 """
 
 
