@@ -3,7 +3,8 @@
     python tests/fake_pods.py 9001 9002 9003
 
 Each port is one pod. Tests script a pod's metrics with POST /_control/metrics, how it answers with
-POST /_control/behaviour ({"fail": n, "delay": s, "chunks": n, "chunk_delay": s}) and read which
+POST /_control/behaviour ({"fail": n, "delay": s, "chunks": n, "chunk_delay": s}; {"release": true} ends
+every delay under way at once) and read which
 models it served with GET /_control/requests.
 """
 
@@ -43,7 +44,7 @@ def metrics_page(state: dict) -> str:
 
 
 def make_app(port: int) -> Starlette:
-    state: dict = {"metrics": {}, "requests": [], "raw": None, "behaviour": {}}
+    state: dict = {"metrics": {}, "requests": [], "raw": None, "behaviour": {}, "release": asyncio.Event()}
 
     async def metrics(_: Request):
         if state["raw"] is not None:
@@ -58,6 +59,9 @@ def make_app(port: int) -> Starlette:
 
     async def set_behaviour(request: Request):
         state["behaviour"] = await request.json()
+        if state["behaviour"].pop("release", False):
+            state["release"].set()
+            state["release"] = asyncio.Event()
         return JSONResponse({"ok": True})
 
     async def requests(_: Request):
@@ -77,7 +81,10 @@ def make_app(port: int) -> Starlette:
         if behaviour.get("fail", 0) > 0:
             behaviour["fail"] -= 1
             return JSONResponse({"error": {"message": "scripted failure", "type": "server_error"}}, status_code=500)
-        await asyncio.sleep(behaviour.get("delay", 0))
+        try:
+            await asyncio.wait_for(state["release"].wait(), behaviour.get("delay", 0))
+        except asyncio.TimeoutError:
+            pass
         if body.get("stream"):
             async def chunks():
                 for i in range(behaviour.get("chunks", 3)):
