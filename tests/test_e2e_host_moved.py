@@ -17,8 +17,9 @@ import redis as redis_lib
 import yaml
 from procs import MASTER_KEY, Proc, free_port, free_port_range, litellm_proxy, lora_affinity, proxy_config, redis_server, wait_port
 
-OBSERVED_S = 25.0
-"""Long enough for 125 of the watcher's checks (every 0.2 s) and 50 requests: a repeated error would show."""
+OBSERVED_S = 12.0
+"""Long enough for 60 of the watcher's checks (every 0.2 s) and 24 requests: a repeated error, or a connection
+opened per check, would show."""
 
 HOST_MOVED = '''
 import litellm
