@@ -375,3 +375,71 @@ async def test_a_proxy_reads_the_change_sets_in_its_one_refresh_round_trip_and_r
     await follower.refresh(client)
     await follower.refresh(client)
     assert held.match("a", [9]) == 1 and held.size("a") == 1
+
+
+async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_when_it_takes_over():
+    """A pod's replay buffer holds 5 batches and it publishes 20 more while the standby waits: one that joined
+    only on taking the lease would know the last 5 (and mark the pod partial); the standby knows all of them."""
+    import fakeredis
+    from page_server import serve_pages
+
+    from lora_affinity_plugin.exact_share import HeldBlocks, decode_changes, snapshot_key
+    from lora_affinity_plugin.fleet import FleetView
+    from lora_affinity_plugin.follower import Follower
+    from lora_affinity_plugin.kv_follow import KVEventSharing
+    from lora_affinity_plugin.scraper import Scraper
+    from lora_affinity_plugin.settings import build_settings
+
+    pub_port, replay_port = free_port(), free_port()
+    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
+                                                f"tcp://127.0.0.1:{replay_port}", buffer_steps=5))
+    replay_task = asyncio.create_task(publisher.serve_replay())
+    settings = build_settings({"scraper_lease_ms": 1000, "kv_events": True}, environ={})
+    redis = fakeredis.aioredis.FakeRedis()
+    page = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(100)]
+    async with serve_pages({"a": page}) as url:
+        pod = url("a")
+        endpoints = {pod: EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")}
+        leader = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))
+        standby = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))
+        try:
+            await leader.scrape_once()
+            await standby.scrape_once()
+            assert leader.leader and not standby.leader
+            assert standby.kv_events.subscriber is not None  # following the pod the leader proved, sharing nothing
+            stream = standby.kv_events.subscriber.streams[pod]
+            seq = 0
+            publisher.publish([stored([10_000], None, prompts[0])])
+            while True:  # until a batch arrives live: a SUB socket misses what is sent before it has connected
+                await _until(lambda: stream.last_seq == seq)
+                if stream.batches > stream.replayed:
+                    break
+                seq += 1
+                publisher.publish([stored([10_000 + seq], None, prompts[seq])])
+                await leader.scrape_once()
+                await asyncio.sleep(0.05)
+            last = seq + 20
+            for i in range(seq + 1, last + 1):
+                publisher.publish([stored([10_000 + i], None, prompts[i])])
+                await leader.scrape_once()  # renews its lease
+                await standby.scrape_once()  # a standby's interval: no lease, changes followed and dropped
+            await _until(lambda: stream.last_seq == last)
+            assert not standby.leader
+            await leader.aclose()  # the leader goes; its lease lapses
+            await asyncio.sleep(1.1)
+            await standby.scrape_once()
+            assert standby.leader and not stream.partial
+            snap = await redis.hgetall(snapshot_key(settings.key_prefix))
+            held = HeldBlocks()  # what every proxy loads
+            held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
+            assert [held.match(pod, keys(prompts[i])) for i in range(last + 1)] == [1] * (last + 1)
+            proxy = Follower(settings, FleetView(settings), lambda: [pod], lambda s: None)
+            for _ in range(3):  # the stream still holds the last term's change sets: read past, never reloaded on
+                await proxy.refresh(redis)
+                assert proxy.fleet.held.number == 0 and proxy.fleet.held.size(pod) == last + 1
+        finally:
+            await leader.aclose()
+            await standby.aclose()
+            replay_task.cancel()
+            publisher.close()

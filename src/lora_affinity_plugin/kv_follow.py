@@ -1,5 +1,6 @@
-"""The scraper's side of exact cache state: which pods publish KV events, following them while it holds the
-lease, and sharing the index with every proxy through Redis (`exact_share.py`).
+"""The scraper's side of exact cache state: which pods publish KV events, following them (the lease holder and
+its standbys alike, so a failover's index is whole), and sharing the index with every proxy through Redis
+(`exact_share.py`: the lease holder only).
 
 Imported only when `kv_events` is on: it needs the `kv-events` extra (pyzmq, msgspec).
 """
@@ -52,7 +53,11 @@ def event_endpoints(model_list: Sequence[Mapping[str, Any]], pods: Sequence[str]
 
 
 class KVEventSharing:
-    """Follows every pod's events while this worker holds the lease, and writes the index's changes."""
+    """Follows every proven pod's events, and writes the index's changes while this worker holds the lease.
+
+    A standby follows too (`stand_by`): a worker that joined a pod's stream late knows only what the pod's replay
+    buffer still held, so one that starts following only when it takes the lease would under-count every pod
+    until the caches turn over."""
 
     def __init__(self, endpoints: Mapping[str, EventEndpoints]) -> None:
         self.endpoints = dict(endpoints)
@@ -84,6 +89,19 @@ class KVEventSharing:
         self._exported = {}
         logger.info("following the KV events of %d pods", len(followed))
 
+    def take_over(self) -> None:
+        """A new lease term: numbering starts again under a new epoch, and the next `share` writes a snapshot of
+        all the standby learned (the changes it gathered meanwhile are in it)."""
+        self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
+        if self.subscriber is not None:
+            self.subscriber.index.take_changes()
+
+    def stand_by(self) -> None:
+        """Another worker shares: the changes followed are not written, only dropped (the index itself is kept)."""
+        if self.subscriber is not None:
+            self.export()
+            self.subscriber.index.take_changes()
+
     async def stop(self) -> None:
         if self._task is None:
             return
@@ -114,7 +132,7 @@ class KVEventSharing:
         self.export()
         index = self.subscriber.index
         changes = index.take_changes()
-        if changes:
+        if changes or self._number == 0:  # (a term's first, even empty: the snapshot's place in the stream)
             number, self._number = self._number, self._number + 1
             try:
                 self._last_id = _text(await client.xadd(changes_key(prefix), {

@@ -45,6 +45,9 @@ __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
 
 logger = logging.getLogger("lora_affinity.scraper")
 
+STANDBY_READ_S = 5.0
+"""How often a standby with KV events on reads the leader's records for the pods it proved (then follows them)."""
+
 
 class _LoopSession:
     """One aiohttp session (a keep-alive pool) per event loop: recreated if closed or used from another loop."""
@@ -123,7 +126,11 @@ class Scraper:
         """Each pod's last fully read record: a page that cannot be read for a moment does not drain the pod."""
         self._adopted = False
         self.kv_events = kv_events
-        """`kv_follow.KVEventSharing` when `kv_events` is on: the pods' KV events, followed while leader."""
+        """`kv_follow.KVEventSharing` when `kv_events` is on: the pods' KV events, followed by the leader and its
+        standbys, shared by the leader."""
+        self._kv_term: str | None = None
+        """The lease term (holder and fencing token) the KV events were last shared under."""
+        self._next_standby_read = 0.0
         if settings.metrics_bearer_token is not None and not self.token_pods:
             logger.warning("metrics_bearer_token is set but no pod is named for it (metrics_token_pods, or "
                            "model_info.lora_affinity_pod: true): it is sent to none")
@@ -201,7 +208,7 @@ class Scraper:
             self._redis = connect(self.settings)
         if not self.leader and not await self._lease():
             if self.kv_events is not None:
-                await self.kv_events.stop()  # another worker follows the events now
+                await self._stand_by_kv_events()
             return []
         if not self._adopted:
             await self._adopt()
@@ -221,13 +228,32 @@ class Scraper:
 
     async def _share_kv_events(self) -> None:
         if not self.leader:
-            await self.kv_events.stop()
+            await self._stand_by_kv_events()
             return
+        if self._kv_term != self.holder:  # this worker's term began since it last shared
+            self._kv_term = self.holder
+            self.kv_events.take_over()
         self.kv_events.start(self.proven)
         try:
             await self.kv_events.share(self._redis, self.settings.key_prefix)
         except Exception as exc:  # the next interval writes again (a proxy that misses a number reloads)
             self._redis_down.fail(type(exc).__name__)
+
+    async def _stand_by_kv_events(self) -> None:
+        """Another worker holds the lease: follow the pods it proved (read from its records every few seconds), so
+        that this worker's index is whole if it takes over; share nothing."""
+        self._kv_term = None
+        if time.monotonic() >= self._next_standby_read:
+            self._next_standby_read = time.monotonic() + STANDBY_READ_S
+            try:
+                records = decode_records(self.pods, await self._redis.mget([pod_key(self.settings, p)
+                                                                             for p in self.pods]))
+            except Exception as exc:
+                self._redis_down.fail(type(exc).__name__)
+                records = {}
+            self.proven.update(pod for pod, record in records.items() if record.proven)
+        self.kv_events.start(self.proven)
+        self.kv_events.stand_by()
 
     async def _adopt(self) -> None:
         """On taking the lease: what the previous holder learned, from its records (rates, proven pods), so a
