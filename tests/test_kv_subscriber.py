@@ -377,19 +377,22 @@ async def test_a_proxy_reads_the_change_sets_in_its_one_refresh_round_trip_and_r
     assert held.match("a", [9]) == 1 and held.size("a") == 1
 
 
-async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_when_it_takes_over():
+async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_when_it_takes_over(monkeypatch):
     """A pod's replay buffer holds 5 batches and it publishes 20 more while the standby waits: one that joined
-    only on taking the lease would know the last 5 (and mark the pod partial); the standby knows all of them."""
+    only on taking the lease would know the last 5 (and mark the pod partial); the standby knows all of them.
+    One standby follows, not every worker: the next one takes the role when the first takes the lease."""
     import fakeredis
     from page_server import serve_pages
 
     from lora_affinity_plugin.exact_share import HeldBlocks, decode_changes, snapshot_key
     from lora_affinity_plugin.fleet import FleetView
     from lora_affinity_plugin.follower import Follower
+    from lora_affinity_plugin import scraper as scraper_module
     from lora_affinity_plugin.kv_follow import KVEventSharing
     from lora_affinity_plugin.scraper import Scraper
     from lora_affinity_plugin.settings import build_settings
 
+    monkeypatch.setattr(scraper_module, "STANDBY_READ_S", 1.0)  # the role held 3 s, asked for every second
     pub_port, replay_port = free_port(), free_port()
     publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
                                                 f"tcp://127.0.0.1:{replay_port}", buffer_steps=5))
@@ -403,11 +406,14 @@ async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_wh
         endpoints = {pod: EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")}
         leader = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))
         standby = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))
+        other = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))
         try:
             await leader.scrape_once()
             await standby.scrape_once()
-            assert leader.leader and not standby.leader
+            await other.scrape_once()
+            assert leader.leader and not standby.leader and not other.leader
             assert standby.kv_events.subscriber is not None  # following the pod the leader proved, sharing nothing
+            assert other.kv_events.subscriber is None  # one standby follows
             stream = standby.kv_events.subscriber.streams[pod]
             seq = 0
             publisher.publish([stored([10_000], None, prompts[0])])
@@ -435,11 +441,22 @@ async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_wh
             held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
             assert [held.match(pod, keys(prompts[i])) for i in range(last + 1)] == [1] * (last + 1)
             proxy = Follower(settings, FleetView(settings), lambda: [pod], lambda s: None)
+            epochs = set()
             for _ in range(3):  # the stream still holds the last term's change sets: read past, never reloaded on
+                await standby.scrape_once()  # renewing is not a new term
                 await proxy.refresh(redis)
+                epochs.add(proxy.kv_epoch)
                 assert proxy.fleet.held.number == 0 and proxy.fleet.held.size(pod) == last + 1
+            assert len(epochs) == 1
+            await asyncio.sleep(0.6)
+            await standby.scrape_once()  # renews its lease
+            await asyncio.sleep(0.5)
+            await standby.scrape_once()
+            await other.scrape_once()  # the role was let go on taking the lease: the next standby follows now
+            assert not other.leader and other.kv_events.subscriber is not None
         finally:
             await leader.aclose()
             await standby.aclose()
+            await other.aclose()
             replay_task.cancel()
             publisher.close()

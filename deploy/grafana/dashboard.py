@@ -61,10 +61,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
      "Sent by the proxies and not ended yet, summed over proxy processes."),
     ("KV events: lag and gaps per pod (when kv_events is on)", "s",
      [('max by (pod) (lora_affinity_kv_events_lag_seconds{pod=~"$pod"})', "lag {{pod}}"),
-      (f'sum by (pod, outcome) (increase(lora_affinity_kv_events_gaps_total{{pod=~"$pod"}}[{RATE}]))',
+      (f'max by (pod, outcome) (increase(lora_affinity_kv_events_gaps_total{{pod=~"$pod"}}[{RATE}]))',
        "gaps {{outcome}} {{pod}}")],
      "How old the last applied batch of each pod's KV events is (a growing lag: the subscriber falls behind), and "
-     "gaps in its sequence: replayed, or lost (that pod's exact index is partial until it clears its cache)."),
+     "gaps in its sequence: replayed, or lost (that pod's exact index is partial until it clears its cache). The "
+     "lease holder and one standby both follow each pod: the worse of the two is shown, a gap once."),
     ("Settings version, per process", "short",
      [("max by (instance) (lora_affinity_settings_version)", "{{instance}}")],
      "Every proxy and scraper should show the same version within a second of a change."),

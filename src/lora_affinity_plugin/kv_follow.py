@@ -1,5 +1,5 @@
 """The scraper's side of exact cache state: which pods publish KV events, following them (the lease holder and
-its standbys alike, so a failover's index is whole), and sharing the index with every proxy through Redis
+one standby, so a failover's index is whole), and sharing the index with every proxy through Redis
 (`exact_share.py`: the lease holder only).
 
 Imported only when `kv_events` is on: it needs the `kv-events` extra (pyzmq, msgspec).

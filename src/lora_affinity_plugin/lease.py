@@ -69,3 +69,34 @@ async def lease_and_write(client, prefix: str, me: str, lease_ms: int, ttl_ms: i
     leader, holder, settings_raw, now = await client.eval(_SCRIPT, len(keys), *keys, *args)
     holder = holder.decode() if isinstance(holder, bytes) else holder
     return LeaseResult(bool(leader), holder, settings_raw, redis_seconds(now))
+
+
+# The standby that follows the pods' KV events (`kv_follow.py`): one, so that a fleet with a scraper beside every
+# proxy (or inside it) does not follow every pod's events once per worker. KEYS: the standby key. ARGV: me, ms,
+# and 1 to hold (take or renew) or 0 to let go.
+_STANDBY_SCRIPT = """
+local holder = redis.call('GET', KEYS[1])
+if ARGV[3] == '0' then
+  if holder == ARGV[1] then redis.call('DEL', KEYS[1]) end
+  return 0
+end
+if not holder or holder == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def standby_key(prefix: str) -> str:
+    return f"{{{prefix}}}:scraper:kv-standby"
+
+
+async def hold_standby(client, prefix: str, me: str, ms: int) -> bool:
+    """Take or renew the KV-events standby role for `ms`; False while another worker holds it."""
+    return bool(await client.eval(_STANDBY_SCRIPT, 1, standby_key(prefix), me, ms, 1))
+
+
+async def release_standby(client, prefix: str, me: str) -> None:
+    """Let go of the standby role (this worker took the lease): the next standby to ask gets it."""
+    await client.eval(_STANDBY_SCRIPT, 1, standby_key(prefix), me, 0, 0)

@@ -21,7 +21,7 @@ from .clock import RedisClock
 from .discovery import model_ids, served_models_key
 from .engines import pod_engines
 from .episodes import Episode
-from .lease import LeaseResult, lease_and_write, worker_id
+from .lease import LeaseResult, hold_standby, lease_and_write, release_standby, worker_id
 from .live_settings import LiveCopy, apply_live, settings_key
 from .metrics import (
     POD_ADAPTERS,
@@ -46,7 +46,8 @@ __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
 logger = logging.getLogger("lora_affinity.scraper")
 
 STANDBY_READ_S = 5.0
-"""How often a standby with KV events on reads the leader's records for the pods it proved (then follows them)."""
+"""With KV events on, how often a standby asks for the standby role (held 3 times as long) and, holding it, reads
+the leader's records for the pods it proved (then follows their events)."""
 
 
 class _LoopSession:
@@ -126,11 +127,13 @@ class Scraper:
         """Each pod's last fully read record: a page that cannot be read for a moment does not drain the pod."""
         self._adopted = False
         self.kv_events = kv_events
-        """`kv_follow.KVEventSharing` when `kv_events` is on: the pods' KV events, followed by the leader and its
-        standbys, shared by the leader."""
+        """`kv_follow.KVEventSharing` when `kv_events` is on: the pods' KV events, followed by the leader and one
+        standby, shared by the leader."""
         self._kv_term: str | None = None
         """The lease term (holder and fencing token) the KV events were last shared under."""
         self._next_standby_read = 0.0
+        self._kv_standby = False
+        """Whether this worker is the standby that follows the KV events (`lease.hold_standby`)."""
         if settings.metrics_bearer_token is not None and not self.token_pods:
             logger.warning("metrics_bearer_token is set but no pod is named for it (metrics_token_pods, or "
                            "model_info.lora_affinity_pod: true): it is sent to none")
@@ -233,6 +236,12 @@ class Scraper:
         if self._kv_term != self.holder:  # this worker's term began since it last shared
             self._kv_term = self.holder
             self.kv_events.take_over()
+            if self._kv_standby:
+                self._kv_standby, self._next_standby_read = False, 0.0
+                try:
+                    await release_standby(self._redis, self.settings.key_prefix, self.worker)
+                except Exception as exc:  # it lapses on its own
+                    self._redis_down.fail(type(exc).__name__)
         self.kv_events.start(self.proven)
         try:
             await self.kv_events.share(self._redis, self.settings.key_prefix)
@@ -240,18 +249,24 @@ class Scraper:
             self._redis_down.fail(type(exc).__name__)
 
     async def _stand_by_kv_events(self) -> None:
-        """Another worker holds the lease: follow the pods it proved (read from its records every few seconds), so
-        that this worker's index is whole if it takes over; share nothing."""
+        """Another worker holds the lease. One standby (its own small lease, renewed every few seconds) follows the
+        pods the holder proved, read from its records, so that its index is whole if it takes over; it shares
+        nothing. Other standbys follow nothing."""
         self._kv_term = None
         if time.monotonic() >= self._next_standby_read:
             self._next_standby_read = time.monotonic() + STANDBY_READ_S
             try:
-                records = decode_records(self.pods, await self._redis.mget([pod_key(self.settings, p)
-                                                                             for p in self.pods]))
+                self._kv_standby = await hold_standby(self._redis, self.settings.key_prefix, self.worker,
+                                                      int(3 * STANDBY_READ_S * 1000))
+                if self._kv_standby:
+                    records = decode_records(self.pods, await self._redis.mget([pod_key(self.settings, p)
+                                                                                 for p in self.pods]))
+                    self.proven.update(pod for pod, record in records.items() if record.proven)
             except Exception as exc:
                 self._redis_down.fail(type(exc).__name__)
-                records = {}
-            self.proven.update(pod for pod, record in records.items() if record.proven)
+        if not self._kv_standby:
+            await self.kv_events.stop()
+            return
         self.kv_events.start(self.proven)
         self.kv_events.stand_by()
 
@@ -342,6 +357,12 @@ class Scraper:
     async def aclose(self) -> None:
         if self.kv_events is not None:
             await self.kv_events.stop()
+            if self._kv_standby and self._redis is not None:
+                self._kv_standby = False
+                try:
+                    await release_standby(self._redis, self.settings.key_prefix, self.worker)
+                except Exception:
+                    pass  # it lapses on its own
         await self._http.aclose()
         if self._redis is not None:
             try:
