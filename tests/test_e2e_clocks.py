@@ -104,7 +104,9 @@ def _phase(stack, skew: str) -> dict:
         mark = len(stack["proxy"].log())
         statuses = _load(stack["url"])
         offsets_after = _record_offsets(stack)
-        log = stack["proxy"].log()[mark:]
+        settle = time.monotonic() + 5  # a decision's log line can reach the file just after its response
+        while (log := stack["proxy"].log()[mark:]).count(" -> ") < REQUESTS and time.monotonic() < settle:
+            time.sleep(0.1)
     finally:
         scraper.stop()
     return {"statuses": statuses, "offsets": offsets + offsets_after, "decisions": log.count(" -> "),
