@@ -63,6 +63,22 @@ async def _until(check, timeout=10.0):
         await asyncio.sleep(0.02)
 
 
+async def _publish_until_live(publisher, stream, prompts, between=None) -> int:
+    """Publishes prompts[0], [1], ... (a block each) until one reaches `stream` live, not by replay: a SUB socket
+    misses what is sent before it has connected. Returns the last sequence number; `between` runs after each."""
+    seq = 0
+    publisher.publish([stored([10_000], None, prompts[0])])
+    while True:
+        await _until(lambda: stream.last_seq == seq)
+        if stream.batches > stream.replayed:
+            return seq
+        seq += 1
+        publisher.publish([stored([10_000 + seq], None, prompts[seq])])
+        if between is not None:
+            await between()
+        await asyncio.sleep(0.05)
+
+
 async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the_pods_blocks():
     pub_port, replay_port = free_port(), free_port()
     publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
@@ -74,15 +90,7 @@ async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the
     stream = subscriber.streams["p"]
     try:
         prompts = [[i * 1000 + t for t in range(BS)] for i in range(1200)]
-        publisher.publish([stored([10_000], None, prompts[0])])
-        seq = 0
-        while True:  # until a batch arrives live: a SUB socket misses what is sent before it has connected
-            await _until(lambda: stream.last_seq == seq)
-            if stream.batches > stream.replayed:
-                break
-            seq += 1
-            publisher.publish([stored([10_000 + seq], None, prompts[seq])])
-            await asyncio.sleep(0.05)
+        seq = await _publish_until_live(publisher, stream, prompts)
         first = seq + 1
         publisher.dropped_next = 1000  # the next 1,000 batches reach only the replay buffer
         for i in range(first, first + 1000):
@@ -415,16 +423,7 @@ async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_wh
             assert standby.kv_events.subscriber is not None  # following the pod the leader proved, sharing nothing
             assert other.kv_events.subscriber is None  # one standby follows
             stream = standby.kv_events.subscriber.streams[pod]
-            seq = 0
-            publisher.publish([stored([10_000], None, prompts[0])])
-            while True:  # until a batch arrives live: a SUB socket misses what is sent before it has connected
-                await _until(lambda: stream.last_seq == seq)
-                if stream.batches > stream.replayed:
-                    break
-                seq += 1
-                publisher.publish([stored([10_000 + seq], None, prompts[seq])])
-                await leader.scrape_once()
-                await asyncio.sleep(0.05)
+            seq = await _publish_until_live(publisher, stream, prompts, between=leader.scrape_once)
             last = seq + 20
             for i in range(seq + 1, last + 1):
                 publisher.publish([stored([10_000 + i], None, prompts[i])])

@@ -115,3 +115,26 @@ def test_record_round_trip():
 
     record = PodRecord("http://a:8000", 12.5, parse_metrics(GOOD))
     assert PodRecord.from_json(record.to_json()) == record
+
+
+async def test_a_standby_with_kv_events_survives_redis_down_and_follows_nothing(caplog, PODS):
+    from lora_affinity_plugin.kv_follow import KVEventSharing
+    from lora_affinity_plugin.kv_subscriber import EventEndpoints
+
+    class Down:
+        async def eval(self, *args):
+            raise ConnectionError("redis is down")
+
+        async def mget(self, *args):
+            raise ConnectionError("redis is down")
+
+        async def aclose(self):
+            pass
+
+    sharing = KVEventSharing({PODS[0]: EventEndpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")})
+    scraper = Scraper(build_settings({"kv_events": True}, environ={}), PODS, Down(), kv_events=sharing)
+    for _ in range(3):
+        assert await scraper.scrape_once() == []  # no lease, no standby role: nothing raised, nothing followed
+    assert sharing.subscriber is None
+    assert sum("cannot write to Redis" in r.message for r in caplog.records) == 1
+    await scraper.aclose()
