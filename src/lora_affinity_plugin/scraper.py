@@ -259,8 +259,7 @@ class Scraper:
                 self._kv_standby = await hold_standby(self._redis, self.settings.key_prefix, self.worker,
                                                       int(3 * STANDBY_READ_S * 1000))
                 if self._kv_standby:
-                    records = decode_records(self.pods, await self._redis.mget([pod_key(self.settings, p)
-                                                                                 for p in self.pods]))
+                    records = await self._records_in_redis()
                     self.proven.update(pod for pod, record in records.items() if record.proven)
             except Exception as exc:
                 self._redis_down.fail(type(exc).__name__)
@@ -270,11 +269,15 @@ class Scraper:
         self.kv_events.start(self.proven)
         self.kv_events.stand_by()
 
+    async def _records_in_redis(self) -> dict[str, PodRecord]:
+        """The pods' records as the lease holder last wrote them."""
+        return decode_records(self.pods, await self._redis.mget([pod_key(self.settings, p) for p in self.pods]))
+
     async def _adopt(self) -> None:
         """On taking the lease: what the previous holder learned, from its records (rates, proven pods), so a
         failover or restart starts from it rather than from the defaults."""
         try:
-            records = decode_records(self.pods, await self._redis.mget([pod_key(self.settings, p) for p in self.pods]))
+            records = await self._records_in_redis()
         except Exception as exc:
             self._redis_down.fail(type(exc).__name__)
             return
