@@ -61,7 +61,7 @@ def stack(tmp_path_factory):
         procs.append(litellm_proxy(path, proxy_port, tmp, env=debug_env()))
         time.sleep(0.5)
         yield {"proxy": f"http://127.0.0.1:{proxy_port}", "pods": [f"http://127.0.0.1:{base + i}" for i in range(3)],
-               "config": path, "proxy_proc": procs[-1], "tmp": tmp}
+               "config": path, "proxy_proc": procs[-1], "tmp": tmp, "procs": procs}
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -130,3 +130,28 @@ def test_the_proxy_matches_a_prompt_against_what_the_engines_report_and_follows_
     wait_for(forgotten)  # the inferred index would still name the holder
     assert explained["match_sources"][holder] == "exact"
     assert decisions.count() >= 4  # every chat a decision of the rules
+
+
+def test_a_redeployed_scraper_resumes_each_pod_from_the_checkpoint_the_last_one_left(stack):
+    """The only scraper stops (SIGTERM, as a redeploy does); another client caches a document on a reporting pod
+    while none runs; the next scraper resumes that pod from the checkpoint the last one wrote as it stopped, and
+    the proxy matches both what was cached before and the document cached while no scraper ran."""
+    procs, pod = stack["procs"], stack["pods"][0]
+    scraper = next(p for p in procs if p.name == "scraper")
+    before = "what is the refund policy for hotel bookings made abroad " * 10
+    body = {"model": "sql-lora", "max_tokens": 2, "messages": [{"role": "system", "content": SYSTEM},
+                                                               {"role": "user", "content": before}]}
+    assert httpx.post(pod + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    wait_for(lambda: explain(stack, "sql-lora", before)["prefix_matches"][pod] > 0)
+    matched = explain(stack, "sql-lora", before)["prefix_matches"][pod]
+    scraper.stop()
+    assert scraper.popen.returncode == 0  # stopped cleanly, its checkpoints written
+    during = "and the same policy for train tickets bought with loyalty points please " * 10
+    body["messages"][1]["content"] = during
+    assert httpx.post(pod + "/v1/chat/completions", json=body, timeout=30).status_code == 200  # past any gateway
+    successor = lora_affinity(["scrape", "--config", str(stack["config"])], stack["tmp"], "scraper-2")
+    procs.append(successor)
+    wait_for(lambda: f"KV events of {pod} resumed from batch" in successor.log())
+    wait_for(lambda: explain(stack, "sql-lora", during)["prefix_matches"][pod] > 0)
+    assert explain(stack, "sql-lora", before)["prefix_matches"][pod] == matched  # kept across the redeploy
+    assert "joined afresh" not in successor.log()

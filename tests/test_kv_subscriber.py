@@ -229,6 +229,7 @@ def test_the_kv_events_benchmark_keeps_up_with_a_small_fleet():
     out = run_cli(["bench", "--scenario", "kv-events", "--pods", "4", "--seconds", "1"])
     # Whether it keeps up depends on the machine (the benchmark says which); nothing may be lost either way.
     assert "lost 0" in out and ("kept up" in out or "fell behind" in out), out
+    assert "a new scraper from the checkpoint" in out and "checkpoints of every pod" in out, out
 
 
 def test_a_chats_ids_are_the_whole_renders_with_its_head_tokenized_once(tmp_path):

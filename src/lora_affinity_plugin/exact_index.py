@@ -112,6 +112,20 @@ class ExactIndex:
         self._pods.pop(pod, None)
         self._changes[pod] = PodChange(cleared=True)
 
+    def held_by_hash(self, pod: str) -> PodBlocks | None:
+        """The pod's blocks as its engine names them (a checkpoint's content, `kv_checkpoint.py`); not a copy."""
+        return self._pods.get(pod)
+
+    def restore(self, pod: str, by_hash: dict[BlockHash, int | None], block_size: int | None,
+                unresolved: int = 0) -> None:
+        """The pod's blocks from a checkpoint, replacing what was held: shared as a whole new set of keys."""
+        blocks = PodBlocks(by_hash=dict(by_hash), block_size=block_size, unresolved=unresolved)
+        for key in blocks.by_hash.values():
+            if key is not None:
+                blocks.keys[key] = blocks.keys.get(key, 0) + 1
+        self._pods[pod] = blocks
+        self._changes[pod] = PodChange(True, block_size or 0, set(blocks.keys))
+
     def forget(self, pods_kept: set[str]) -> None:
         for pod in [p for p in self._pods if p not in pods_kept]:
             del self._pods[pod]

@@ -1,6 +1,7 @@
 """The scraper's side of exact cache state: which pods publish KV events, following them (the lease holder and
 one standby, so a failover's index is whole), and sharing the index with every proxy through Redis
-(`exact_share.py`: the lease holder only).
+(`exact_share.py`: the lease holder only), with a checkpoint of each pod's stream for whichever scraper starts next
+(`kv_checkpoint.py`).
 
 Imported only when `kv_events` is on: it needs the `kv-events` extra (pyzmq, msgspec).
 """
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 
 from .exact_index import ExactIndex
 from .exact_share import changes_key, encode_changes, snapshot_key
+from .kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from .kv_subscriber import EventEndpoints, KVEventSubscriber
 from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS
 from .pods import deployment_pod
@@ -27,6 +29,11 @@ STREAM_LENGTH = 2_000
 """Change sets kept in the stream (10 minutes at 200 ms when every interval changes): a proxy further behind
 loads the snapshot again."""
 SNAPSHOT_EVERY_S = 5.0
+CHECKPOINT_EVERY_S = 10.0
+"""How often the lease holder writes each pod's checkpoint (the pods whose stream moved): a scraper starting after
+every scraper was down resumes a pod whose replay buffer still reaches back to it (vLLM keeps 10,000 batches)."""
+CHECKPOINTS_PER_WRITE = 8
+"""Pods per HSET: a command of a few MB, not one of every pod's (tens of MB would hold Redis up for the proxies)."""
 
 
 def event_endpoints(model_list: Sequence[Mapping[str, Any]], pods: Sequence[str],
@@ -71,28 +78,57 @@ class KVEventSharing:
         self._next_snapshot = 0.0
         self._exported: dict[str, int] = {}
         """What `export` has counted so far, per pod (the streams count from their start)."""
+        self._checkpoints: dict[str, PodCheckpoint] = {}
+        """Read from Redis before following: where the last scraper stood, per pod."""
+        self._checkpointed: dict[str, tuple[int, float]] = {}
+        """Per pod, the batch its checkpoint in Redis covers (this term's writes)."""
+        self._next_checkpoint = 0.0
+
+    async def begin(self, client, prefix: str, proven: Collection[str]) -> None:
+        """`start`, reading the pods' checkpoints first when nothing is followed yet: a scraper that starts, or a
+        standby that starts following, resumes each pod where the last lease holder stood. Without Redis it starts
+        anyway, from the pods' replay buffers."""
+        if self._task is None and any(pod in proven for pod in self.endpoints):
+            try:
+                raw = await client.hgetall(checkpoints_key(prefix))
+            except Exception as exc:
+                logger.info("could not read the KV-event checkpoints (%s): the pods are joined afresh",
+                            type(exc).__name__)
+                raw = {}
+            self._checkpoints = {}
+            for pod, data in raw.items():
+                pod = _text(pod)
+                if pod not in self.endpoints:
+                    continue
+                try:
+                    self._checkpoints[pod] = decode_checkpoint(data)
+                except ValueError as exc:
+                    logger.info("KV-event checkpoint of %s not used (%s): the pod is joined afresh", pod, exc)
+        self.start(proven)
 
     def start(self, proven: Collection[str]) -> None:
         """Follow the proven pods' events (a hosted provider's api_base is never proven: it gets no connection)."""
         if self._task is not None:
             for pod in proven:
                 if pod in self.endpoints:
-                    self.subscriber.add(pod, self.endpoints[pod])
+                    self.subscriber.add(pod, self.endpoints[pod], self._checkpoints.pop(pod, None))
             return
         followed = {pod: ep for pod, ep in self.endpoints.items() if pod in proven}
         if not followed:
             return
-        self.subscriber = KVEventSubscriber(followed, ExactIndex())
+        checkpoints = {pod: self._checkpoints.pop(pod) for pod in followed if pod in self._checkpoints}
+        self.subscriber = KVEventSubscriber(followed, ExactIndex(), checkpoints=checkpoints)
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.subscriber.run(self._stop), name="lora-affinity-kv-events")
         self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
-        self._exported = {}
+        self._exported, self._checkpointed, self._next_checkpoint = {}, {}, 0.0
         logger.info("following the KV events of %d pods", len(followed))
 
     def take_over(self) -> None:
         """A new lease term: numbering starts again under a new epoch, and the next `share` writes a snapshot of
         all the standby learned (the changes it gathered meanwhile are in it)."""
         self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
+        self._checkpointed, self._next_checkpoint = {}, 0.0
         if self.subscriber is not None:
             self.subscriber.index.take_changes()
 
@@ -147,6 +183,35 @@ class KVEventSharing:
             self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
             await client.hset(snapshot_key(prefix), mapping={
                 "e": self._epoch, "n": self._number - 1, "i": self._last_id, "c": encode_changes(index.snapshot())})
+        if time.monotonic() >= self._next_checkpoint and await self.write_checkpoints(client, prefix):
+            self._next_checkpoint = time.monotonic() + CHECKPOINT_EVERY_S
+
+    async def write_checkpoints(self, client, prefix: str) -> bool:
+        """Each followed pod's checkpoint whose stream moved since this term last wrote it (False: none had, try
+        again next interval); a term's first write also drops the checkpoints of pods no longer followed. Any
+        writer's checkpoint is safe to resume: the pod's replay proves or refutes it."""
+        if self.subscriber is None:
+            return False
+        streams = self.subscriber.streams
+        fresh = {}
+        for pod in streams:
+            checkpoint = self.subscriber.checkpoint(pod)
+            if checkpoint is None or self._checkpointed.get(pod) == (checkpoint.seq, checkpoint.ts):
+                continue
+            fresh[pod] = (checkpoint.seq, checkpoint.ts), encode_checkpoint(checkpoint)
+        key = checkpoints_key(prefix)
+        if not self._checkpointed:
+            gone = [name for name in map(_text, await client.hkeys(key)) if name not in streams]
+            if gone:
+                await client.hdel(key, *gone)
+        if not fresh:
+            return False
+        pods = list(fresh)
+        for start in range(0, len(pods), CHECKPOINTS_PER_WRITE):  # one pod's can be a few hundred KB
+            batch = pods[start:start + CHECKPOINTS_PER_WRITE]
+            await client.hset(key, mapping={pod: fresh[pod][1] for pod in batch})
+            self._checkpointed.update((pod, fresh[pod][0]) for pod in batch)
+        return True
 
 
 def _text(value: Any) -> str:

@@ -5,8 +5,10 @@ lost, a slow subscriber past the publisher's high-water mark) asks the pod's rep
 from the first missing number, applies that, and goes on; what the pod no longer buffers is lost, and the
 pod is marked `partial` until its cache is known whole again (an `AllBlocksCleared`). A pod quiet for a second
 is asked for anything after its last batch, so a lost last message is not missed until the next one. A
-sequence that starts over is a restarted server: its blocks are forgotten. Runs in the scraper worker that
-holds the lease.
+sequence that starts over is a restarted server: its blocks are forgotten. A pod given a checkpoint
+(`kv_checkpoint.py`: where a scraper before this one stood) is resumed from it when its replay socket proves the
+same server, unbroken, and joined afresh otherwise. Runs in the scraper worker that holds the lease, and in one
+standby.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from .exact_index import ExactIndex
+from .kv_checkpoint import PodCheckpoint
 from .kv_events import END_SEQ, AllBlocksCleared, KVEventFormatError, decode_batch, sequence_bytes, sequence_of
 
 logger = logging.getLogger("lora_affinity.kv_events")
@@ -45,6 +48,8 @@ class PodStream:
     """Where one pod's stream stands."""
 
     last_seq: int | None = None
+    last_ts: float | None = None
+    """The last batch's timestamp, as the engine wrote it (a checkpoint's proof of which server it came from)."""
     partial: bool = True
     """The index may lack blocks stored before this subscriber could see them (joined late, a gap lost)."""
     batches: int = 0
@@ -54,6 +59,8 @@ class PodStream:
     """Gaps the replay socket could not fill (the pod no longer buffered them, or did not answer)."""
     replayed: int = 0
     restarts: int = 0
+    resumed: bool = False
+    """Started from a checkpoint the pod's replay proved, not from an empty index."""
     bad_payloads: int = 0
     lag_s: float = 0.0
     """The last batch's age when it was applied (its timestamp against this host's clock: a skew shows here)."""
@@ -62,22 +69,36 @@ class PodStream:
 
 class KVEventSubscriber:
     def __init__(self, endpoints: dict[str, EventEndpoints], index: ExactIndex | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None,
+                 checkpoints: dict[str, PodCheckpoint] | None = None) -> None:
         self.endpoints = dict(endpoints)
         self.index = index or ExactIndex()
         self.streams: dict[str, PodStream] = {pod: PodStream() for pod in endpoints}
+        self._checkpoints = dict(checkpoints or {})
+        """Per pod, where an earlier scraper stood: tried once, when the pod's stream is first followed."""
         self._ctx = context or zmq.asyncio.Context.instance()
         self._stop: asyncio.Event | None = None
         self._tasks: dict[str, asyncio.Task] = {}
 
-    def add(self, pod: str, endpoints: EventEndpoints) -> None:
+    def add(self, pod: str, endpoints: EventEndpoints, checkpoint: PodCheckpoint | None = None) -> None:
         """Follow one more pod (one the scraper has just proven), now if running, else from `run`."""
         if pod in self.endpoints:
             return
         self.endpoints[pod] = endpoints
         self.streams[pod] = PodStream()
+        if checkpoint is not None:
+            self._checkpoints[pod] = checkpoint
         if self._stop is not None:
             self._tasks[pod] = asyncio.create_task(self._follow(pod, endpoints, self._stop))
+
+    def checkpoint(self, pod: str) -> PodCheckpoint | None:
+        """Where the pod's stream stands, for a later scraper to resume (None: nothing applied yet). Not a copy:
+        encode it before the next batch is applied."""
+        stream, blocks = self.streams.get(pod), self.index.held_by_hash(pod)
+        if stream is None or stream.last_seq is None or stream.last_ts is None or blocks is None:
+            return None
+        return PodCheckpoint(stream.last_seq, stream.last_ts, stream.partial, blocks.block_size, blocks.unresolved,
+                             blocks.by_hash)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
@@ -96,9 +117,11 @@ class KVEventSubscriber:
         sub.connect(endpoints.publisher)
         stream = self.streams[pod]
         try:
-            # What the pod buffered before this subscriber connected: its whole history when it still holds
-            # batch 0 (then the index is exact from the start).
-            await self._replay(pod, endpoints, stream, 0, joining=True)
+            # What the pod buffered before this subscriber connected: from an earlier scraper's checkpoint when
+            # the pod proves it, else its whole history when it still holds batch 0 (then the index is exact).
+            checkpoint = self._checkpoints.pop(pod, None)
+            if checkpoint is None or not await self._resume(pod, endpoints, stream, checkpoint):
+                await self._replay(pod, endpoints, stream, 0, joining=True)
             quiet_since = time.monotonic()
             while not stop.is_set():
                 if not await sub.poll(200):
@@ -151,7 +174,7 @@ class KVEventSubscriber:
             if stream.bad_payloads == 1:
                 logger.warning("KV events of %s: batch %d unreadable (%s); the pod's index is partial", pod, seq, exc)
             stream.partial = True
-            stream.last_seq = seq
+            stream.last_seq, stream.last_ts = seq, None
             return
         if stream.last_seq is None and seq != 0 and not (batch.events and isinstance(batch.events[0], AllBlocksCleared)):
             stream.partial = True  # joined after the server's first batches: what they stored is unknown
@@ -162,22 +185,43 @@ class KVEventSubscriber:
         self.index.track(pod)
         self.index.apply(pod, batch)
         stream.last_seq = seq
+        stream.last_ts = batch.ts
         stream.batches += 1
         stream.events += len(batch.events)
         stream.last_at = time.time()
         stream.lag_s = max(0.0, stream.last_at - batch.ts)
 
+    async def _resume(self, pod: str, endpoints: EventEndpoints, stream: PodStream, checkpoint: PodCheckpoint) -> bool:
+        """Start from `checkpoint` if the pod's replay holds its batch with its timestamp (the same server, no
+        batch since lost), then apply what came after; False leaves the index empty, to be joined afresh."""
+        if endpoints.replay is None:
+            return False
+        if await self._replay(pod, endpoints, stream, checkpoint.seq, resume=checkpoint):
+            logger.info("KV events of %s resumed from batch %d (%d blocks), where the last scraper stood", pod,
+                        checkpoint.seq, len(checkpoint.blocks))
+            return True
+        logger.info("KV events of %s: the checkpoint at batch %d is not this server's history (it restarted, or "
+                    "its buffer no longer reaches back): joined afresh", pod, checkpoint.seq)
+        return False
+
+    def _restore(self, pod: str, stream: PodStream, checkpoint: PodCheckpoint) -> None:
+        self.index.restore(pod, checkpoint.blocks, checkpoint.block_size, checkpoint.unresolved)
+        stream.last_seq, stream.last_ts = checkpoint.seq, checkpoint.ts
+        stream.partial, stream.resumed = checkpoint.partial, True
+
     async def _replay(self, pod: str, endpoints: EventEndpoints, stream: PodStream, first: int,
-                      joining: bool = False, catch_up: bool = False, until: int | None = None) -> None:
+                      joining: bool = False, catch_up: bool = False, until: int | None = None,
+                      resume: PodCheckpoint | None = None) -> bool:
         """Apply the pod's buffered batches from `first` on; a missing start marks the index partial. `catch_up`:
         a check on a quiet pod, which finds nothing most of the time (no answer is no loss). `until`: the gap's
         last batch; once it is applied the gap is filled, without waiting for the end mark (a busy ROUTER socket
-        drops what passes its high-water mark, and the mark comes last)."""
+        drops what passes its high-water mark, and the mark comes last). `resume`: the first answer must be
+        the checkpoint's own batch (`first`) with its timestamp, else nothing is applied and False returned."""
         if endpoints.replay is None:
             if not joining and not catch_up:
                 stream.partial = True
                 stream.lost += 1
-            return
+            return resume is None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoints.replay)
@@ -188,22 +232,30 @@ class KVEventSubscriber:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await dealer.poll(int(left * 1000)):
+                    if resume is not None:
+                        return False  # unproven: no answer
                     if catch_up:
-                        return
+                        return True
                     if not joining:
                         logger.warning("KV events of %s: no replay from %s within %.0f s; the pod's index is partial",
                                        pod, endpoints.replay, REPLAY_TIMEOUT_S)
                         stream.lost += 1
                     stream.partial = True
-                    return
+                    return True
                 frames = await dealer.recv_multipart()
                 deadline = time.monotonic() + REPLAY_TIMEOUT_S
                 if len(frames) != 3:
                     continue
                 seq = sequence_of(frames[1])
+                if resume is not None:
+                    if seq != first or _timestamp(frames[2]) != resume.ts:
+                        return False  # nothing that old buffered (a restart), or another server's batch
+                    self._restore(pod, stream, resume)
+                    resume, expected = None, seq + 1
+                    continue
                 if seq == END_SEQ:
                     self.index.track(pod)  # the pod answers: it reports its cache, empty or not
-                    return
+                    return True
                 if seq != expected and not (joining and expected == first):
                     stream.partial = True  # the pod no longer buffers what was missed
                     stream.lost += 1
@@ -215,6 +267,13 @@ class KVEventSubscriber:
                 stream.replayed += 1
                 expected = seq + 1
                 if until is not None and seq >= until:
-                    return
+                    return True
         finally:
             dealer.close(linger=0)
+
+
+def _timestamp(payload: bytes) -> float | None:
+    try:
+        return decode_batch(payload).ts
+    except KVEventFormatError:
+        return None

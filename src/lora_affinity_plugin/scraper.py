@@ -242,7 +242,7 @@ class Scraper:
                     await release_standby(self._redis, self.settings.key_prefix, self.worker)
                 except Exception as exc:  # it lapses on its own
                     self._redis_down.fail(type(exc).__name__)
-        self.kv_events.start(self.proven)
+        await self.kv_events.begin(self._redis, self.settings.key_prefix, self.proven)
         try:
             await self.kv_events.share(self._redis, self.settings.key_prefix)
         except Exception as exc:  # the next interval writes again (a proxy that misses a number reloads)
@@ -266,7 +266,7 @@ class Scraper:
         if not self._kv_standby:
             await self.kv_events.stop()
             return
-        self.kv_events.start(self.proven)
+        await self.kv_events.begin(self._redis, self.settings.key_prefix, self.proven)
         self.kv_events.stand_by()
 
     async def _records_in_redis(self) -> dict[str, PodRecord]:
@@ -359,6 +359,11 @@ class Scraper:
 
     async def aclose(self) -> None:
         if self.kv_events is not None:
+            if self.leader and self._redis is not None:
+                try:  # where every pod's stream stands now, for the next scraper (a redeploy resumes it whole)
+                    await self.kv_events.write_checkpoints(self._redis, self.settings.key_prefix)
+                except Exception as exc:
+                    self._redis_down.fail(type(exc).__name__)
             await self.kv_events.stop()
             if self._kv_standby and self._redis is not None:
                 self._kv_standby = False

@@ -4,8 +4,8 @@ A separate process runs `--pods` publishers (the simulator's, over TCP on this m
 it can batches like a busy engine's: a few blocks of 16 tokens stored, as many of its older blocks removed. The
 subscriber (the scraper's, in this process) follows them all for `--seconds`. Printed: the events it applied
 per second against the rate the simulated fleet publishes at its highest prefill rate, the batches it lost, the
-exact index's memory with every pod's cache full, and the Redis bytes the proxies read per interval (change
-sets) and on a reload (the snapshot).
+exact index's memory with every pod's cache full, the Redis bytes the proxies read per interval (change
+sets) and on a reload (the snapshot), and the checkpoints a scraper writes for the next one (`kv_checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import tracemalloc
 
 from lora_affinity_plugin.exact_index import ExactIndex
 from lora_affinity_plugin.exact_share import encode_changes
+from lora_affinity_plugin.kv_checkpoint import PodCheckpoint, decode_checkpoint, encode_checkpoint
 from lora_affinity_plugin.kv_events import BlockRemoved, BlockStored, EventBatch
+from lora_affinity_plugin.kv_follow import CHECKPOINT_EVERY_S
 from lora_affinity_plugin.kv_subscriber import EventEndpoints, KVEventSubscriber
 from lora_affinity_plugin.podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN
 
@@ -87,9 +89,10 @@ async def _follow(ports: list[tuple[int, int]], seconds: float) -> KVEventSubscr
     return subscriber
 
 
-def _index_memory(pods: int) -> tuple[float, int, int]:
-    """MB the exact index takes with every pod's cache full, the snapshot's bytes, and one interval's change set
-    at the fleet's highest prefill rate."""
+def _index_memory(pods: int) -> tuple[float, int, int, int, int, float]:
+    """MB the exact index takes with every pod's cache full, the snapshot's bytes, one interval's change set at the
+    fleet's highest prefill rate, and every pod's checkpoint: bytes with 64-bit block hashes (vLLM's builtin and
+    xxhash algorithms), bytes with 32-byte ones (sha256), and the seconds encoding them took."""
     tracemalloc.start()
     index = ExactIndex()
     tokens = tuple(range(BLOCK * BLOCKS_PER_BATCH))
@@ -102,6 +105,11 @@ def _index_memory(pods: int) -> tuple[float, int, int]:
     tracemalloc.stop()
     index.take_changes()
     snapshot = len(encode_changes(index.snapshot()))
+    started = time.perf_counter()
+    checkpoints = [encode_checkpoint(_checkpoint_of(index, f"pod-{pod}", lambda h: h + (1 << 62)))
+                   for pod in range(pods)]
+    encoding_s = time.perf_counter() - started
+    sha256 = len(encode_checkpoint(_checkpoint_of(index, "pod-0", lambda h: h.to_bytes(32, "big")))) * pods
     per_interval = int(fleet_event_rate(pods) * 0.2 / 2)  # stored in 200 ms; as many removed
     for pod in range(pods):
         for first in range(CACHE_BLOCKS, CACHE_BLOCKS + per_interval // pods, BLOCKS_PER_BATCH):
@@ -109,7 +117,15 @@ def _index_memory(pods: int) -> tuple[float, int, int]:
             index.apply(f"pod-{pod}", EventBatch(0.0, (
                 BlockStored(hashes, None, tokens, BLOCK, None, "GPU", f"adapter-{first}"),
                 BlockRemoved(tuple(h - CACHE_BLOCKS for h in hashes), "GPU"))))
-    return size / 1e6, snapshot, len(encode_changes(index.take_changes()))
+    return (size / 1e6, snapshot, len(encode_changes(index.take_changes())), sum(map(len, checkpoints)), sha256,
+            encoding_s)
+
+
+def _checkpoint_of(index: ExactIndex, pod: str, hashed) -> PodCheckpoint:
+    """The pod's checkpoint, its block hashes widened by `hashed` to a real engine's (the benchmark's are small)."""
+    blocks = index.held_by_hash(pod)
+    return PodCheckpoint(0, 0.0, False, blocks.block_size, blocks.unresolved,
+                         {hashed(h): key for h, key in blocks.by_hash.items()})
 
 
 GAP = 1_000
@@ -128,7 +144,8 @@ async def _until(check, timeout_s: float = 30.0) -> float:
 
 async def _recovery(ports: tuple[int, int]) -> dict[str, list[float]]:
     """Seconds until one pod's index is exact again, per round: after a gap of GAP batches that a later batch
-    reveals; after GAP lost batches that nothing follows (the quiet-pod catch-up finds them); after a restart."""
+    reveals; after GAP lost batches that nothing follows (the quiet-pod catch-up finds them); for a new subscriber
+    started from the checkpoint of a pod that published GAP batches since; after a restart."""
     from lora_affinity_lab.sim.kv_publisher import KVEventPublisher, KVEventsConfig
 
     pub, replay = ports
@@ -152,7 +169,7 @@ async def _recovery(ports: tuple[int, int]) -> dict[str, list[float]]:
     def exact() -> bool:
         return subscriber.index.size("pod") == stored and not subscriber.streams["pod"].partial
 
-    times: dict[str, list[float]] = {"gap": [], "quiet": [], "restart": []}
+    times: dict[str, list[float]] = {"gap": [], "quiet": [], "resume": [], "restart": []}
     try:
         for _ in range(ROUNDS):
             stream = subscriber.streams["pod"]
@@ -165,6 +182,15 @@ async def _recovery(ports: tuple[int, int]) -> dict[str, list[float]]:
             publisher.dropped_next = GAP
             publish(GAP)  # lost, and nothing after them
             times["quiet"].append(await _until(exact))
+            checkpoint = decode_checkpoint(encode_checkpoint(subscriber.checkpoint("pod")))  # what Redis keeps
+            publish(GAP)  # while every scraper is down
+            successor = KVEventSubscriber(dict(subscriber.endpoints), ExactIndex(), checkpoints={"pod": checkpoint})
+            stopping = asyncio.Event()
+            resuming = asyncio.create_task(successor.run(stopping))
+            times["resume"].append(await _until(lambda: successor.streams["pod"].resumed and not
+                                                successor.streams["pod"].partial and successor.index.size("pod") == stored))
+            stopping.set()
+            await resuming
             restarts = stream.restarts
             publisher.restart()
             stored = 0
@@ -203,14 +229,19 @@ def run_kv_events(args: argparse.Namespace) -> int:
     rate = events * BLOCKS_PER_BATCH / elapsed
     print(f"  the simulated fleet's highest prefill rate publishes {need:,.0f} block events/s: "
           f"{'kept up' if rate >= need else 'fell behind'} ({rate / need:.2f}x)")
-    memory, snapshot, interval = _index_memory(pods)
+    memory, snapshot, interval, checkpoints, sha256, encoding_s = _index_memory(pods)
     print(f"  exact index with {pods} pods x {CACHE_BLOCKS:,} blocks: {memory:.0f} MB in the scraper; a proxy's "
           f"snapshot read {snapshot / 1e6:.1f} MB; one 200 ms interval's change set at that rate {interval / 1e3:.0f} KB "
           f"({interval * 5 / 1e6:.1f} MB/s per proxy)")
+    print(f"  checkpoints of every pod, kept in Redis for the next scraper: {checkpoints / 1e6:.1f} MB with 64-bit "
+          f"block hashes, {sha256 / 1e6:.1f} MB with sha256 ones; encoded in {encoding_s * 1000:.0f} ms, written every "
+          f"{CHECKPOINT_EVERY_S:g} s ({checkpoints / CHECKPOINT_EVERY_S / 1e6:.2f}-{sha256 / CHECKPOINT_EVERY_S / 1e6:.2f} "
+          f"MB/s when every pod's cache changes)")
     recovery = asyncio.run(_recovery((free_port_range(1), free_port_range(1))))
     print(f"  recovery, one pod, medians of {ROUNDS} rounds (until its index holds exactly what it published):")
     for label, what in (("gap", f"{GAP:,} batches lost, the next one arrives"),
                         ("quiet", f"{GAP:,} batches lost, nothing after them"),
+                        ("resume", f"a new scraper from the checkpoint, {GAP:,} batches published since"),
                         ("restart", "the server restarts (sequence 0, AllBlocksCleared)")):
         print(f"    {what}: {statistics.median(recovery[label]) * 1000:.0f} ms "
               f"(max {max(recovery[label]) * 1000:.0f} ms)")
