@@ -5,6 +5,7 @@ One place for it, so the rest of the code reads as if there were one LiteLLM.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 
@@ -125,7 +126,14 @@ async def token_may_call(token: Any, model: str, router: Any) -> bool:
 
 def _rust_core(router: Any) -> Any | None:
     """1.110+: the router's Rust core (`Router.register_plugin`), which holds the registered strategy."""
-    return getattr(router, "_core", None) if hasattr(type(router), "register_plugin") else None
+    return getattr(router, "_core", None) if _has_rust_core(type(router)) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _has_rust_core(router_type: type) -> bool:
+    """Asked once per class: on 1.110 a class-level lookup goes through the router's metaclass, and this runs on
+    every refresh and request."""
+    return hasattr(router_type, "register_plugin")
 
 
 def model_list(router: Any) -> list[dict]:

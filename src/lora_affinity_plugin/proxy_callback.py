@@ -51,6 +51,10 @@ class ProxyPlugin(CustomLogger):
     """
 
     WATCH_INTERVAL_S = 0.2
+    """How often the watcher looks while the proxy starts (its router and routes appear during start-up)."""
+    SETTLED_WATCH_INTERVAL_S = 1.0
+    """Once installed: a router rebuilt since is caught by the next request's pre-call hook as well, so an idle
+    proxy need not wake five times a second for it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -167,7 +171,8 @@ class ProxyPlugin(CustomLogger):
     async def _watch(self) -> None:
         while True:
             self._install_quietly()
-            await asyncio.sleep(self.WATCH_INTERVAL_S)
+            settled = self._strategy is not None and self._listing_installed
+            await asyncio.sleep(self.SETTLED_WATCH_INTERVAL_S if settled else self.WATCH_INTERVAL_S)
 
     def _install_quietly(self) -> None:
         """`ensure_installed`, its failures logged once per episode (it runs every watch and every request)."""
