@@ -24,6 +24,10 @@ def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plug
         ratio = statistics.median(row["plugin_ms"]) / statistics.median(row["alone_ms"])
         assert row["ratio"] == ratio and row["met"] == (ratio <= row["goal"])  # the goal judged on the raw ratio
         assert printed[kind][4] == ("met" if row["met"] else "MISSED"), printed[kind]
+        per_round = [p / a for p, a in zip(row["plugin_ms"], row["alone_ms"])]
+        assert row["round_ratios"] == per_round and row["per_round_ratio"] == statistics.median(per_round)
+        assert printed[kind][6] == f"{statistics.median(per_round):.2f}x" and printed[kind][7] == (
+            "met" if row["per_round_met"] else "MISSED"), printed[kind]
     assert "refused" not in out.stderr or out.returncode == 1
     (held,) = [line for line in out.stdout.splitlines() if "the shared index holds" in line]
     assert int(held.split("holds ")[1].split()[0]) > 0 and held.endswith("of 2 pods"), held
