@@ -114,38 +114,44 @@ async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the
 async def test_a_slow_replay_is_followed_to_its_end_and_only_a_silent_one_marks_the_pod_partial(monkeypatch):
     """The replay timeout is a silence, not a total: a busy pod (or a busy subscriber) may take longer than it to
     send a long gap, batch after batch, and the index is still exact. A gap whose last batch has come is filled
-    without the end mark (a busy ROUTER socket drops what passes its high-water mark, and the mark comes last)."""
+    without the end mark (a busy ROUTER socket drops what passes its high-water mark, and the mark comes last).
+    An answer cut short is asked again from where it stopped; only a request that brings nothing marks the pod."""
     monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 0.5)  # 5 pauses: a silence, never a busy loop's delay
     ctx = zmq.asyncio.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     prompts = [[i * 1000 + t for t in range(BS)] for i in range(8)]
 
-    async def serve(sent, end_mark):
-        client, _, _start = await router.recv_multipart()
-        for seq, tokens in enumerate(prompts[:sent]):
-            await asyncio.sleep(0.1)  # 8 x 0.1 s: longer than the timeout in all, each pause a fifth of it
-            payload = encode_batch(EventBatch(time.time(), (stored([100 + seq], None, tokens),)))
-            await router.send_multipart((client, b"", sequence_bytes(seq), payload))
-        if end_mark:
-            await router.send_multipart((client, b"", sequence_bytes(-1), b""))
+    async def serve(answers):
+        """Per request, (the batch to stop before, whether the end mark follows); later requests go unanswered."""
+        for stop_before, end_mark in answers:
+            client, _, start = await router.recv_multipart()
+            for seq in range(int.from_bytes(start, "big", signed=True), stop_before):
+                await asyncio.sleep(0.1)  # 8 x 0.1 s: longer than the timeout in all, each pause a fifth of it
+                payload = encode_batch(EventBatch(time.time(), (stored([100 + seq], None, prompts[seq]),)))
+                await router.send_multipart((client, b"", sequence_bytes(seq), payload))
+            if end_mark:
+                await router.send_multipart((client, b"", sequence_bytes(-1), b""))
 
-    cases = (  # batches sent, end mark sent, the gap's last batch, partial after
-        (8, True, None, False),
-        (3, False, None, True),  # stops answering mid-replay
-        (8, False, 7, False),  # the whole gap, then its end mark lost
-        (3, False, 7, True),
+    cases = (  # what each request is answered, the gap's last batch, partial after, batches applied
+        ([(8, True)], None, False, 8),
+        ([(3, False)], None, True, 3),  # stops answering mid-replay: asked again, nothing comes
+        ([(8, False)], 7, False, 8),  # the whole gap, then its end mark lost
+        ([(3, False)], 7, True, 3),
+        ([(3, False), (8, True)], None, False, 8),  # cut short (a ROUTER past its high-water mark), then the rest
     )
     try:
-        for sent, end_mark, until, partial in cases:
+        for answers, until, partial, applied in cases:
+            while await router.poll(0):  # the last case's unanswered request
+                await router.recv_multipart()
             subscriber = KVEventSubscriber({"p": EventEndpoints(f"tcp://127.0.0.1:{free_port()}",
                                                                 f"tcp://127.0.0.1:{port}")})
             stream = subscriber.streams["p"]
-            server = asyncio.create_task(serve(sent, end_mark))
+            server = asyncio.create_task(serve(answers))
             await subscriber._replay("p", subscriber.endpoints["p"], stream, 0, until=until)
             await server
-            assert stream.partial is partial and stream.lost == int(partial), (sent, end_mark, until, stream)
-            assert stream.replayed == sent and stream.last_seq == sent - 1
+            assert stream.partial is partial and stream.lost == int(partial), (answers, until, stream)
+            assert stream.replayed == applied and stream.last_seq == applied - 1
     finally:
         router.close(linger=0)
 

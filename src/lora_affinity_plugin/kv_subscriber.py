@@ -216,7 +216,10 @@ class KVEventSubscriber:
         a check on a quiet pod, which finds nothing most of the time (no answer is no loss). `until`: the gap's
         last batch; once it is applied the gap is filled, without waiting for the end mark (a busy ROUTER socket
         drops what passes its high-water mark, and the mark comes last). `resume`: the first answer must be
-        the checkpoint's own batch (`first`) with its timestamp, else nothing is applied and False returned."""
+        the checkpoint's own batch (`first`) with its timestamp, else nothing is applied and False returned.
+        An answer that stops after some batches is asked again from where it stopped: a ROUTER socket drops what
+        passes its high-water mark (1,000 messages) when the subscriber reads slower than the pod sends, and
+        vLLM buffers 10,000 batches. Only a request that brings nothing new ends the replay unfinished."""
         if endpoints.replay is None:
             if not joining and not catch_up:
                 stream.partial = True
@@ -225,7 +228,7 @@ class KVEventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoints.replay)
-        expected = first
+        expected, progressed = first, False
         try:
             await dealer.send_multipart((b"", sequence_bytes(first)))
             deadline = time.monotonic() + REPLAY_TIMEOUT_S
@@ -234,6 +237,11 @@ class KVEventSubscriber:
                 if left <= 0 or not await dealer.poll(int(left * 1000)):
                     if resume is not None:
                         return False  # unproven: no answer
+                    if progressed and stream.last_seq is not None:  # cut short, not silent: the rest, again
+                        progressed, expected = False, stream.last_seq + 1
+                        await dealer.send_multipart((b"", sequence_bytes(expected)))
+                        deadline = time.monotonic() + REPLAY_TIMEOUT_S
+                        continue
                     if catch_up:
                         return True
                     if not joining:
@@ -265,7 +273,7 @@ class KVEventSubscriber:
                     stream.partial = True
                 self._apply(pod, stream, seq, frames[2])
                 stream.replayed += 1
-                expected = seq + 1
+                expected, progressed = seq + 1, True
                 if until is not None and seq >= until:
                     return True
         finally:
