@@ -7,14 +7,12 @@ end-to-end KV-event tests run on a real server)."""
 import asyncio
 
 import pytest
-from procs import free_port
 
-from lora_affinity_lab.sim.kv_publisher import KVEventPublisher, KVEventsConfig
 from lora_affinity_plugin.exact_index import ExactIndex
 from lora_affinity_plugin.kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from lora_affinity_plugin.kv_events import BlockRemoved, EventBatch
-from lora_affinity_plugin.kv_subscriber import EventEndpoints, KVEventSubscriber
-from test_kv_subscriber import BS, _publish_until_live, _until, keys, stored
+from lora_affinity_plugin.kv_subscriber import KVEventSubscriber
+from test_kv_subscriber import BS, PAGE, _publish_until_live, _serving_publisher, _until, keys, stored
 
 PROMPTS = [[i * 1000 + t for t in range(BS)] for i in range(200)]
 
@@ -56,11 +54,7 @@ async def _follow_once(endpoints, checkpoint=None):
 async def test_a_checkpoint_is_resumed_only_on_the_server_it_was_taken_from():
     """The buffer holds 10 batches: the same server, 8 batches on, is resumed whole; a server restarted since, with
     fewer batches than the checkpoint or more, is joined afresh (its old blocks forgotten)."""
-    pub_port, replay_port = free_port(), free_port()
-    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
-                                                f"tcp://127.0.0.1:{replay_port}", buffer_steps=10))
-    replay_task = asyncio.create_task(publisher.serve_replay())
-    endpoints = EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+    publisher, replay_task, endpoints = _serving_publisher(10)
     try:
         first, stop, task = await _follow_once(endpoints)
         seq = await _publish_until_live(publisher, first.streams["p"], PROMPTS)
@@ -123,16 +117,12 @@ async def test_a_scraper_starting_after_every_scraper_was_down_resumes_from_the_
     from lora_affinity_plugin.scraper import Scraper
     from lora_affinity_plugin.settings import build_settings
 
-    pub_port, replay_port = free_port(), free_port()
-    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
-                                                f"tcp://127.0.0.1:{replay_port}", buffer_steps=10))
-    replay_task = asyncio.create_task(publisher.serve_replay())
+    publisher, replay_task, pod_endpoints = _serving_publisher(10)
     settings = build_settings({"scraper_lease_ms": 1000, "kv_events": True}, environ={})
     redis = fakeredis.aioredis.FakeRedis()
-    page = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
-    async with serve_pages({"a": page}) as url:
+    async with serve_pages({"a": PAGE}) as url:
         pod = url("a")
-        endpoints = {pod: EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")}
+        endpoints = {pod: pod_endpoints}
         scrapers = []
 
         def scraper():

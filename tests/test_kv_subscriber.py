@@ -56,6 +56,19 @@ def test_keys_follow_stores_removals_adapters_salts_and_a_clear():
     assert index.size("p") == 0 and index.match("p", keys(prompt, "sql")) == 0
 
 
+PAGE = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+"""An idle pod's metrics page (the scraper proves the pod on it)."""
+
+
+def _serving_publisher(buffer_steps: int):
+    """A simulated pod's KV-event publisher with its replay socket served: (publisher, the serving task, endpoints)."""
+    pub_port, replay_port = free_port(), free_port()
+    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
+                                                f"tcp://127.0.0.1:{replay_port}", buffer_steps=buffer_steps))
+    endpoints = EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+    return publisher, asyncio.create_task(publisher.serve_replay()), endpoints
+
+
 async def _until(check, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not check():
@@ -80,11 +93,8 @@ async def _publish_until_live(publisher, stream, prompts, between=None) -> int:
 
 
 async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the_pods_blocks():
-    pub_port, replay_port = free_port(), free_port()
-    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
-                                                f"tcp://127.0.0.1:{replay_port}", buffer_steps=5000))
-    replay_task = asyncio.create_task(publisher.serve_replay())
-    subscriber = KVEventSubscriber({"p": EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")})
+    publisher, replay_task, endpoints = _serving_publisher(5000)
+    subscriber = KVEventSubscriber({"p": endpoints})
     stop = asyncio.Event()
     follow = asyncio.create_task(subscriber.run(stop))
     stream = subscriber.streams["p"]
@@ -408,17 +418,13 @@ async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_wh
     from lora_affinity_plugin.settings import build_settings
 
     monkeypatch.setattr(scraper_module, "STANDBY_READ_S", 1.0)  # the role held 3 s, asked for every second
-    pub_port, replay_port = free_port(), free_port()
-    publisher = KVEventPublisher(KVEventsConfig(True, "zmq", f"tcp://127.0.0.1:{pub_port}",
-                                                f"tcp://127.0.0.1:{replay_port}", buffer_steps=5))
-    replay_task = asyncio.create_task(publisher.serve_replay())
+    publisher, replay_task, pod_endpoints = _serving_publisher(5)
     settings = build_settings({"scraper_lease_ms": 1000, "kv_events": True}, environ={})
     redis = fakeredis.aioredis.FakeRedis()
-    page = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
     prompts = [[i * 1000 + t for t in range(BS)] for i in range(100)]
-    async with serve_pages({"a": page}) as url:
+    async with serve_pages({"a": PAGE}) as url:
         pod = url("a")
-        endpoints = {pod: EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")}
+        endpoints = {pod: pod_endpoints}
         leader = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))
         standby = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))
         other = Scraper(settings, [pod], redis, kv_events=KVEventSharing(endpoints))

@@ -83,6 +83,8 @@ class KVEventSharing:
         self._checkpointed: dict[str, tuple[int, float]] = {}
         """Per pod, the batch its checkpoint in Redis covers (this term's writes)."""
         self._next_checkpoint = 0.0
+        self._pruned = False
+        """Whether this term has dropped the checkpoints of pods it does not follow."""
 
     async def begin(self, client, prefix: str, proven: Collection[str]) -> None:
         """`start`, reading the pods' checkpoints first when nothing is followed yet: a scraper that starts, or a
@@ -121,14 +123,14 @@ class KVEventSharing:
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.subscriber.run(self._stop), name="lora-affinity-kv-events")
         self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
-        self._exported, self._checkpointed, self._next_checkpoint = {}, {}, 0.0
+        self._exported, self._checkpointed, self._next_checkpoint, self._pruned = {}, {}, 0.0, False
         logger.info("following the KV events of %d pods", len(followed))
 
     def take_over(self) -> None:
         """A new lease term: numbering starts again under a new epoch, and the next `share` writes a snapshot of
         all the standby learned (the changes it gathered meanwhile are in it)."""
         self._epoch, self._number, self._last_id, self._next_snapshot = uuid.uuid4().hex[:12], 0, "0-0", 0.0
-        self._checkpointed, self._next_checkpoint = {}, 0.0
+        self._checkpointed, self._next_checkpoint, self._pruned = {}, 0.0, False
         if self.subscriber is not None:
             self.subscriber.index.take_changes()
 
@@ -188,7 +190,7 @@ class KVEventSharing:
 
     async def write_checkpoints(self, client, prefix: str) -> bool:
         """Each followed pod's checkpoint whose stream moved since this term last wrote it (False: none had, try
-        again next interval); a term's first write also drops the checkpoints of pods no longer followed. Any
+        again next interval); a term's first call also drops the checkpoints of pods no longer followed. Any
         writer's checkpoint is safe to resume: the pod's replay proves or refutes it."""
         if self.subscriber is None:
             return False
@@ -200,10 +202,11 @@ class KVEventSharing:
                 continue
             fresh[pod] = (checkpoint.seq, checkpoint.ts), encode_checkpoint(checkpoint)
         key = checkpoints_key(prefix)
-        if not self._checkpointed:
+        if not self._pruned:
             gone = [name for name in map(_text, await client.hkeys(key)) if name not in streams]
             if gone:
                 await client.hdel(key, *gone)
+            self._pruned = True
         if not fresh:
             return False
         pods = list(fresh)
