@@ -173,3 +173,37 @@ async def test_a_scraper_starting_after_every_scraper_was_down_resumes_from_the_
                 await s.aclose()
             replay_task.cancel()
             publisher.close()
+
+
+async def test_a_damaged_checkpoint_or_redis_down_joins_the_pod_afresh(caplog):
+    """What a scraper reads before following can be bad: a damaged entry (or another version's) is said and
+    skipped, and Redis down leaves nothing to read; either way the pod is followed from its replay buffer."""
+    import fakeredis
+    import redis.exceptions
+
+    from lora_affinity_plugin.kv_follow import KVEventSharing
+
+    publisher, replay_task, endpoints = _serving_publisher(100)
+    store = fakeredis.aioredis.FakeRedis()
+    await store.hset(checkpoints_key("lora_affinity"), mapping={"p": b"not a checkpoint", "elsewhere": b"x"})
+
+    class RedisDown:
+        async def hgetall(self, key):
+            raise redis.exceptions.ConnectionError("down")
+
+    caplog.set_level("INFO", logger="lora_affinity.kv_events")
+    try:
+        for client in (store, RedisDown()):
+            sharing = KVEventSharing({"p": endpoints})
+            await sharing.begin(client, "lora_affinity", {"p"})
+            stream = sharing.subscriber.streams["p"]
+            publisher.publish([stored([10_000], None, PROMPTS[0])])
+            await _until(lambda: stream.last_seq is not None)
+            assert not stream.resumed and sharing.subscriber.index.match("p", keys(PROMPTS[0])) == 1
+            await sharing.stop()
+            publisher.restart()
+        assert "KV-event checkpoint of p not used (unreadable checkpoint" in caplog.text
+        assert "could not read the KV-event checkpoints (ConnectionError)" in caplog.text
+    finally:
+        replay_task.cancel()
+        publisher.close()
