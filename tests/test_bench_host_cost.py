@@ -28,6 +28,16 @@ def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plug
         assert row["round_ratios"] == per_round and row["per_round_ratio"] == statistics.median(per_round)
         assert printed[kind][6] == f"{statistics.median(per_round):.2f}x" and printed[kind][7] == (
             "met" if row["per_round_met"] else "MISSED"), printed[kind]
+        idle, requests = row["idle_ms_per_s"], 4  # the request path: each turn less its proxy's idle CPU
+        for who, name in (("alone", "alone"), ("plugin", "plugin")):
+            assert row[f"{who}_net_ms"] == [ms - idle[name] * s / requests
+                                            for ms, s in zip(row[f"{who}_ms"], row[f"{who}_s"])]
+        alone_net = statistics.median(row["alone_net_ms"])
+        path = statistics.median(row["plugin_net_ms"]) / alone_net if alone_net > 0 else None
+        assert row["request_path_ratio"] == path and row["request_path_met"] == (path is not None and path <= 1.10)
+        assert printed[kind][8:] == (["n/a", "n/a"] if path is None else
+                                     [f"{path:.2f}x", "met" if row["request_path_met"] else "MISSED"]), printed[kind]
+        assert min(idle.values()) > 0 and all(0 < s < 120 for s in row["alone_s"] + row["plugin_s"])
     assert "refused" not in out.stderr or out.returncode == 1
     (held,) = [line for line in out.stdout.splitlines() if "the shared index holds" in line]
     assert int(held.split("holds ")[1].split()[0]) > 0 and held.endswith("of 2 pods"), held
