@@ -37,7 +37,8 @@ def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plug
         assert row["request_path_ratio"] == path and row["request_path_met"] == (path is not None and path <= 1.10)
         assert printed[kind][8:] == (["n/a", "n/a"] if path is None else
                                      [f"{path:.2f}x", "met" if row["request_path_met"] else "MISSED"]), printed[kind]
-        assert min(idle.values()) > 0 and all(0 < s < 120 for s in row["alone_s"] + row["plugin_s"])
+        # Idle over a small run's 2 s may read 0: CPU time counts in 10 ms ticks.
+        assert min(idle.values()) >= 0 and all(0 < s < 120 for s in row["alone_s"] + row["plugin_s"])
     assert "refused" not in out.stderr or out.returncode == 1
     (held,) = [line for line in out.stdout.splitlines() if "the shared index holds" in line]
     assert int(held.split("holds ")[1].split()[0]) > 0 and held.endswith("of 2 pods"), held
