@@ -134,12 +134,12 @@ async def test_a_scraper_starting_after_every_scraper_was_down_resumes_from_the_
             await leader.scrape_once()
             stream = leader.kv_events.subscriber.streams[pod]
             seq = await _publish_until_live(publisher, stream, PROMPTS, between=leader.scrape_once)
-            await leader.scrape_once()  # the term's first checkpoint, at batch `seq` or before
+            await leader.scrape_once()  # the term's first checkpoint is written by now, at batch `seq` or before
             for i in range(seq + 1, 30):
                 publisher.publish([stored([10_000 + i], None, PROMPTS[i])])
             await _until(lambda: stream.last_seq == 29)
             left = decode_checkpoint((await redis.hgetall(checkpoints_key(settings.key_prefix)))[pod.encode()])
-            assert left.seq == seq  # (the next is due in 10 s)
+            assert left.seq <= seq  # an earlier scrape may have written it; the next is due in 10 s
             await leader.aclose()  # stopping, it writes where it stands
             left = decode_checkpoint((await redis.hgetall(checkpoints_key(settings.key_prefix)))[pod.encode()])
             assert left.seq == 29 and not left.partial
