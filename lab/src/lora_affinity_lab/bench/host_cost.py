@@ -150,7 +150,6 @@ def run_host_cost(args: argparse.Namespace) -> int:
           f"{f'{prompt_chars} characters ({HEADS} shared heads)' if prompt_chars else 'one short question'}; "
           f"KV events {'on: the plugin matches prompts against the engines' if kv_events else 'off'}; logs in {workdir}")
     cpu: dict[tuple[str, str], list[float]] = {}
-    net: dict[tuple[str, str], list[float]] = {}
     windows: dict[tuple[str, str], list[float]] = {}
     busiest: dict[tuple[str, str], float] = {}
     failures = 0
@@ -185,9 +184,7 @@ def run_host_cost(args: argparse.Namespace) -> int:
             fleet.stop()
         store.stop()
     idle = {name: (idle_before[name] + idle_after[name]) / 2 for name in STRATEGIES}
-    for (strategy, kind), turns in cpu.items():
-        net[(strategy, kind)] = [ms - idle[strategy] * window / requests
-                                 for ms, window in zip(turns, windows[(strategy, kind)])]
+    net = _net_of_idle(cpu, windows, idle, requests)
     print(_table(cpu, net, busiest))
     if getattr(args, "json_path", None):
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +219,14 @@ def _rows(cpu: dict[tuple[str, str], list[float]], net: dict[tuple[str, str], li
                      "idle_ms_per_s": {"alone": idle["simple-shuffle"], "plugin": idle["lora-affinity"]},
                      "busiest_worker": max(busiest[("simple-shuffle", kind)], busiest[("lora-affinity", kind)])}
     return out
+
+
+def _net_of_idle(cpu: dict[tuple[str, str], list[float]], windows: dict[tuple[str, str], list[float]],
+                 idle: dict[str, float], requests: int) -> dict[tuple[str, str], list[float]]:
+    """Each turn's CPU ms per request less what its proxy spends idle over the turn's seconds: the request path."""
+    return {(strategy, kind): [ms - idle[strategy] * seconds / requests
+                               for ms, seconds in zip(turns, windows[(strategy, kind)])]
+            for (strategy, kind), turns in cpu.items()}
 
 
 def _per_round(cpu: dict[tuple[str, str], list[float]], kind: str) -> list[float]:
