@@ -61,7 +61,7 @@ def stack(tmp_path_factory):
         procs.append(litellm_proxy(path, proxy_port, tmp, env=debug_env()))
         time.sleep(0.5)
         yield {"proxy": f"http://127.0.0.1:{proxy_port}", "pods": [f"http://127.0.0.1:{base + i}" for i in range(3)],
-               "config": path, "proxy_proc": procs[-1], "tmp": tmp, "procs": procs}
+               "config": path, "proxy_proc": procs[-1], "tmp": tmp, "procs": procs, "redis_port": redis_port}
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -155,3 +155,52 @@ def test_a_redeployed_scraper_resumes_each_pod_from_the_checkpoint_the_last_one_
     wait_for(lambda: explain(stack, "sql-lora", during)["prefix_matches"][pod] > 0)
     assert explain(stack, "sql-lora", before)["prefix_matches"][pod] == matched  # kept across the redeploy
     assert "joined afresh" not in successor.log()
+
+
+def test_a_pod_joined_past_its_replay_buffer_is_partial_and_keeps_what_the_proxy_sent_there(stack):
+    """No checkpoint and a replay buffer that no longer reaches back: the next scraper joins the pod afresh, with
+    none of the blocks it already holds. The proxies are told the pod is partial and match what they sent there
+    (the inferred index), not the empty exact figure; once the pod clears its cache (a restart) it is exact again."""
+    import redis as redis_client
+
+    from lora_affinity_plugin.kv_checkpoint import checkpoints_key
+    from lora_affinity_plugin.settings import build_settings
+
+    procs, reporting = stack["procs"], stack["pods"][:2]
+    question = "which billing rules apply to invoices sent twice by mistake " * 10
+    for adapter in ("sql-lora", "tweet-lora", "chat-lora", "code-lora", "mail-lora", "news-lora"):
+        holder = chat(stack, adapter, question)
+        if holder in reporting:
+            break
+    assert holder in reporting
+    wait_for(lambda: explain(stack, adapter, question)["match_sources"][holder] == "exact")
+    held = explain(stack, adapter, question)["prefix_matches"][holder]
+    assert held > 0
+    for proc in [p for p in procs if p.name.startswith("scraper") and p.popen.poll() is None]:
+        proc.stop()
+    prefix = build_settings({}, environ={}).key_prefix
+    redis_client.Redis(port=stack["redis_port"]).delete(checkpoints_key(prefix))
+    for i in range(2):  # another client's prompts: batches after the question's
+        body = {"model": adapter, "prompt": f"weather report {i} " * 40, "max_tokens": 2}
+        assert httpx.post(holder + "/v1/completions", json=body, timeout=30).status_code == 200
+    # Its buffer now holds only its last batch: the question's are gone from it, as after 10,000 more.
+    assert httpx.post(holder + "/control", json={"replay_keep": 1}).json() == {"replay_keep": 1}
+    joined = lora_affinity(["scrape", "--config", str(stack["config"])], stack["tmp"], "scraper-3")
+    procs.append(joined)
+    explained: dict = {}
+
+    def partial_and_inferred():
+        explained.update(explain(stack, adapter, question))
+        return explained["match_sources"][holder] == "partial"
+    wait_for(partial_and_inferred)
+    assert explained["prefix_matches"][holder] >= held  # what the proxy sent there, though no event says so
+    other = next(p for p in reporting if p != holder)
+    assert explained["match_sources"][other] == "exact"  # its buffer still reaches back to its batch 0: whole
+    assert chat(stack, adapter, question) == holder
+    time.sleep(0.3)  # the replica finishes (a restart wants it idle)
+    assert httpx.post(holder + "/control", json={"restart": True}).json() == {"restarted": True}
+
+    def exact_again():
+        explained.update(explain(stack, adapter, question))
+        return explained["match_sources"][holder] == "exact" and explained["prefix_matches"][holder] == 0
+    wait_for(exact_again)

@@ -71,6 +71,7 @@ async def test_a_checkpoint_is_resumed_only_on_the_server_it_was_taken_from():
         fresh, stop, task = await _follow_once(endpoints)  # no checkpoint: the buffer's last 10 batches only
         await _until(lambda: fresh.streams["p"].last_seq == 37)
         assert fresh.streams["p"].partial and fresh.index.size("p") == 10
+        assert fresh.index.snapshot()["p"].partial  # what the proxies are told
         stop.set()
         await task
 
@@ -88,7 +89,7 @@ async def test_a_checkpoint_is_resumed_only_on_the_server_it_was_taken_from():
         restarted, stop, task = await _follow_once(endpoints, checkpoint)
         stream = restarted.streams["p"]
         await _until(lambda: stream.last_seq == 3)  # AllBlocksCleared, then the three
-        assert not stream.resumed and not stream.partial
+        assert not stream.resumed and not stream.partial and restarted.index.snapshot()["p"].partial is False
         assert restarted.index.size("p") == 3 and restarted.index.match("p", keys(PROMPTS[0])) == 0
         stop.set()
         await task
@@ -157,6 +158,7 @@ async def test_a_scraper_starting_after_every_scraper_was_down_resumes_from_the_
             proxy = Follower(settings, FleetView(settings), lambda: [pod], lambda s: None)
             await proxy.refresh(redis)  # the snapshot, then the change sets after it
             assert [proxy.fleet.held.match(pod, keys(PROMPTS[i])) for i in range(38)] == [1] * 38
+            assert not proxy.fleet.held.partial(pod)  # resumed whole: its figures are exact
             written = decode_checkpoint((await redis.hgetall(checkpoints_key(settings.key_prefix)))[pod.encode()])
             assert written.seq == 37 and not written.partial  # its own term's first write
             await successor.aclose()
@@ -168,6 +170,10 @@ async def test_a_scraper_starting_after_every_scraper_was_down_resumes_from_the_
             stream = without.kv_events.subscriber.streams[pod]
             await _until(lambda: stream.last_seq == 37)
             assert not stream.resumed and stream.partial and without.kv_events.subscriber.index.size(pod) == 10
+            await without.scrape_once()  # shares it: the proxies learn the pod's figures are a floor
+            proxy = Follower(settings, FleetView(settings), lambda: [pod], lambda s: None)
+            await proxy.refresh(redis)
+            assert proxy.fleet.held.partial(pod) and proxy.fleet.held.size(pod) == 10
         finally:
             for s in scrapers:
                 await s.aclose()

@@ -337,6 +337,44 @@ def test_a_tokenizer_that_cannot_load_leaves_the_group_on_the_inferred_index(tmp
     assert request.prefix_blocks and not request.match_sources  # routed, on the inferred index
 
 
+def test_a_partial_pods_figure_is_at_least_what_the_proxies_sent_there_and_the_flag_travels_in_k1(tmp_path):
+    """A pod whose events were joined late (its replay buffer no longer reached back) holds blocks its index never
+    saw stored: its exact figure is a floor, raised to the inferred one; a whole pod's figure is the truth, even
+    where the inferred index disagrees. The flag rides in the change sets' flags byte, which an older reader
+    (cleared bit only) ignores, and a clear resets it."""
+    import time
+
+    from lora_affinity_plugin.exact_share import PodChange, decode_changes, encode_changes
+    from lora_affinity_plugin.fleet import FleetView
+    from lora_affinity_plugin.settings import build_settings
+
+    changes = {"a": PodChange(False, BS, {1}, set(), partial=True), "b": PodChange(True, BS, {2}, {3}, partial=False),
+               "c": PodChange(True, BS, {4})}
+    assert decode_changes(encode_changes(changes)) == changes
+    assert encode_changes({"c": changes["c"]})[4] == 1  # the flags byte, as an older writer wrote it: cleared only
+
+    _train_tokenizer(tmp_path / "tokenizer.json")
+    settings = build_settings({"kv_events": True, "tokenizers": {"*": {"tokenizer": str(tmp_path / "tokenizer.json")}}},
+                              environ={})
+    fleet = FleetView(settings)
+    fleet.held.load({"whole": PodChange(True, BS), "late": PodChange(True, BS, partial=True)}, 0)
+    messages = [{"role": "system", "content": "billing rules answer the question. " * 40},
+                {"role": "user", "content": "where to?"}]
+    pods = ["whole", "late"]
+    request = fleet.route_request("sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
+    assert request.prefix_blocks and request.prefix_matches == {}
+    assert request.match_sources == {"whole": "exact", "late": "partial"}
+    for pod in pods:  # these proxies sent the prompt to both (the exact index has not seen either store it)
+        fleet.note_prefix(pod, request.prefix_hashes, time.time())
+    request = fleet.route_request("sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
+    assert request.prefix_matches == {"late": request.prefix_blocks}  # the whole pod's events say it holds none
+
+    fleet.held.apply({"late": PodChange(True, BS)})  # the pod cleared its cache (AllBlocksCleared): whole again
+    assert not fleet.held.partial("late")
+    request = fleet.route_request("sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
+    assert request.prefix_matches == {} and request.match_sources == {"whole": "exact", "late": "exact"}
+
+
 def test_an_unreadable_batch_marks_the_pod_partial_and_keeps_its_index():
     subscriber = KVEventSubscriber({"p": EventEndpoints("tcp://127.0.0.1:1")})
     stream = subscriber.streams["p"]

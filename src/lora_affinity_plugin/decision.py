@@ -95,7 +95,8 @@ class RouteRequest:
     placement_key: int | None = None
     """Gateways rank equally good pods by this key (rendezvous hashing), so they agree without talking."""
     match_sources: Mapping[str, str] = field(default_factory=dict)
-    """Pods whose match came from their engine's KV events (`exact`); the others' from the inferred index."""
+    """Pods whose match came from their engine's KV events (`exact`; `partial`: the larger of those and the
+    inferred index's, for a pod whose events were joined late); the others' from the inferred index."""
     prefix_sizes: Mapping[str, int] = field(default_factory=dict)
     """Blocks each pod's index holds (the sglang-cache-aware reference needs them)."""
     prefix_hashes: tuple[int, ...] = ()

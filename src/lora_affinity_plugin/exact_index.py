@@ -23,6 +23,8 @@ class PodBlocks:
     block_size: int | None = None
     unresolved: int = 0
     """Blocks stored after a parent this index never saw (a stream joined late): their keys are unknown."""
+    partial: bool = False
+    """The engine may hold blocks this index never saw stored (the subscriber's `PodStream.partial`)."""
 
 
 class ExactIndex:
@@ -37,13 +39,22 @@ class ExactIndex:
             self._pods[pod] = PodBlocks()
             self._change(pod).cleared = True
 
+    def set_partial(self, pod: str, partial: bool) -> None:
+        """Whether a followed pod's keys may lack some its engine holds; the proxies are told when it changes, and
+        then count what they routed there as well (`FleetView`)."""
+        blocks = self._pods.get(pod)
+        if blocks is not None and blocks.partial != partial:
+            blocks.partial = partial
+            self._change(pod).partial = partial
+
     def take_changes(self) -> dict[str, PodChange]:
         changes, self._changes = self._changes, {}
         return changes
 
     def snapshot(self) -> dict[str, PodChange]:
         """Every pod's keys, as a change set that replaces whatever a reader held."""
-        return {pod: PodChange(True, blocks.block_size or 0, set(blocks.keys)) for pod, blocks in self._pods.items()}
+        return {pod: PodChange(True, blocks.block_size or 0, set(blocks.keys), partial=blocks.partial)
+                for pod, blocks in self._pods.items()}
 
     def _change(self, pod: str) -> PodChange:
         change = self._changes.get(pod)
@@ -117,14 +128,14 @@ class ExactIndex:
         return self._pods.get(pod)
 
     def restore(self, pod: str, by_hash: dict[BlockHash, int | None], block_size: int | None,
-                unresolved: int = 0) -> None:
+                unresolved: int = 0, partial: bool = False) -> None:
         """The pod's blocks from a checkpoint, replacing what was held: shared as a whole new set of keys."""
-        blocks = PodBlocks(by_hash=dict(by_hash), block_size=block_size, unresolved=unresolved)
+        blocks = PodBlocks(by_hash=dict(by_hash), block_size=block_size, unresolved=unresolved, partial=partial)
         for key in blocks.by_hash.values():
             if key is not None:
                 blocks.keys[key] = blocks.keys.get(key, 0) + 1
         self._pods[pod] = blocks
-        self._changes[pod] = PodChange(True, block_size or 0, set(blocks.keys))
+        self._changes[pod] = PodChange(True, block_size or 0, set(blocks.keys), partial=partial)
 
     def forget(self, pods_kept: set[str]) -> None:
         for pod in [p for p in self._pods if p not in pods_kept]:

@@ -16,7 +16,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 FORMAT = b"K1"
 _POD = struct.Struct("<HBHII")
-"""Per pod: name length, flags (1: cleared first), block size, keys added, keys removed."""
+"""Per pod: name length, flags, block size, keys added, keys removed."""
+_CLEARED, _PARTIAL_GIVEN, _PARTIAL = 1, 2, 4
+"""Flags. A reader that knows only `_CLEARED` (an older release) ignores the others: the format stays K1."""
 CHANGE_SETS_PER_REFRESH = 1_000
 """A proxy's refresh reads at most this many change sets; a backlog is read over the next refreshes."""
 
@@ -36,13 +38,23 @@ class PodChange:
     block_size: int = 0
     added: set[int] = field(default_factory=set)
     removed: set[int] = field(default_factory=set)
+    partial: bool | None = None
+    """The pod's index may lack blocks its engine holds (its stream joined late, a gap lost past the replay
+    buffer), until the pod clears its cache; None: unchanged."""
+
+
+def _flags(change: PodChange) -> int:
+    flags = _CLEARED if change.cleared else 0
+    if change.partial is not None:
+        flags |= _PARTIAL_GIVEN | (_PARTIAL if change.partial else 0)
+    return flags
 
 
 def encode_changes(changes: Mapping[str, PodChange]) -> bytes:
     out = [FORMAT]
     for pod, change in changes.items():
         name = pod.encode("utf-8", "surrogatepass")
-        out.append(_POD.pack(len(name), 1 if change.cleared else 0, change.block_size, len(change.added),
+        out.append(_POD.pack(len(name), _flags(change), change.block_size, len(change.added),
                              len(change.removed)))
         out.append(name)
         out.append(array("Q", sorted(change.added)).tobytes())
@@ -68,7 +80,8 @@ def decode_changes(data: bytes) -> dict[str, PodChange]:
         at += 8 * n_removed
         if len(added) != n_added or len(removed) != n_removed:
             raise ValueError("truncated change set")
-        out[pod] = PodChange(bool(flags & 1), block_size, set(added), set(removed))
+        partial = bool(flags & _PARTIAL) if flags & _PARTIAL_GIVEN else None
+        out[pod] = PodChange(bool(flags & _CLEARED), block_size, set(added), set(removed), partial)
     return out
 
 
@@ -78,6 +91,7 @@ class HeldBlocks:
     def __init__(self) -> None:
         self._keys: dict[str, set[int]] = {}
         self._block_size: dict[str, int] = {}
+        self._partial: set[str] = set()
         self.number: int | None = None
         """The last change set applied (-1: none yet after the snapshot; None: no snapshot loaded)."""
 
@@ -86,6 +100,11 @@ class HeldBlocks:
             keys = self._keys.get(pod)
             if keys is None or change.cleared:
                 keys = self._keys[pod] = set()
+                self._partial.discard(pod)
+            if change.partial:
+                self._partial.add(pod)
+            elif change.partial is not None:
+                self._partial.discard(pod)
             keys -= change.removed
             keys |= change.added
             if change.block_size:
@@ -94,6 +113,7 @@ class HeldBlocks:
     def load(self, snapshot: Mapping[str, PodChange], number: int) -> None:
         self._keys.clear()
         self._block_size.clear()
+        self._partial.clear()
         self.apply(snapshot)
         self.number = number
 
@@ -102,6 +122,10 @@ class HeldBlocks:
 
     def block_size(self, pod: str) -> int | None:
         return self._block_size.get(pod)
+
+    def partial(self, pod: str) -> bool:
+        """Whether the pod's keys may be missing some its engine holds (then they are a floor, not the truth)."""
+        return pod in self._partial
 
     def pods(self) -> Iterable[str]:
         return self._keys.keys()

@@ -171,20 +171,27 @@ class FleetView:
     def _with_exact(self, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None, messages: Any,
                     request_kwargs: Any, pods: Iterable[str], settings: Settings
                     ) -> tuple[Mapping[str, int], Mapping[str, str]]:
-        """`matches` with the reporting pods' exact figures in the prefix blocks' unit, and which pods those are.
+        """`matches` with the reporting pods' exact figures in the prefix blocks' unit, and which pods those are
+        (`partial`: a pod whose exact figure is a floor, raised to the inferred one where that is more).
         The share of the prompt's tokens a pod holds becomes that share of its `blocks`: the tokenizer's own count,
         not the `prefix_chars_per_token` estimate, which is off for code or other languages."""
         exact = self.exact_matches(model, adapter, messages, request_kwargs, pods, settings)
         if not exact:
             return matches, NO_SOURCES
-        matches = dict(matches)
+        inferred, matches, sources = matches, dict(matches), {}
         for pod, share in exact.items():
             held = min(blocks, int(blocks * share))
+            sources[pod] = "exact"
+            if self.held.partial(pod):
+                # Its events were joined late or lost past the replay buffer: what it holds from before is
+                # unseen, so what these proxies sent there still counts, where it is more.
+                sources[pod] = "partial"
+                held = max(held, inferred.get(pod, 0))
             if held:
                 matches[pod] = held
             else:
                 matches.pop(pod, None)
-        return matches, dict.fromkeys(exact, "exact")
+        return matches, sources
 
     def exact_matches(self, model: str, adapter: str | None, messages: Any, request_kwargs: Any,
                       pods: Iterable[str], settings: Settings) -> dict[str, float]:

@@ -3,9 +3,10 @@
 Each batch carries its sequence number. In order, a batch is applied to the `ExactIndex`. A gap (a message
 lost, a slow subscriber past the publisher's high-water mark) asks the pod's replay socket for everything
 from the first missing number, applies that, and goes on; what the pod no longer buffers is lost, and the
-pod is marked `partial` until its cache is known whole again (an `AllBlocksCleared`). A pod quiet for a second
-is asked for anything after its last batch, so a lost last message is not missed until the next one. A
-sequence that starts over is a restarted server: its blocks are forgotten. A pod given a checkpoint
+pod is marked `partial` until its cache is known whole again (an `AllBlocksCleared`): the proxies are told,
+and count what they sent there too. A pod quiet for a second is asked for anything after its last batch, so a
+lost last message is not missed until the next one. A sequence that starts over is a restarted server: its
+blocks are forgotten. A pod given a checkpoint
 (`kv_checkpoint.py`: where a scraper before this one stood) is resumed from it when its replay socket proves the
 same server, unbroken, and joined afresh otherwise. Runs in the scraper worker that holds the lease, and in one
 standby.
@@ -122,6 +123,7 @@ class KVEventSubscriber:
             checkpoint = self._checkpoints.pop(pod, None)
             if checkpoint is None or not await self._resume(pod, endpoints, stream, checkpoint):
                 await self._replay(pod, endpoints, stream, 0, joining=True)
+            self._share_partial(pod, stream)
             quiet_since = time.monotonic()
             while not stop.is_set():
                 if not await sub.poll(200):
@@ -130,6 +132,7 @@ class KVEventSubscriber:
                         # lost (a subscriber still connecting, a dropped message) and no later one shows the gap.
                         await self._replay(pod, endpoints, stream, 0 if stream.last_seq is None else stream.last_seq + 1,
                                            joining=stream.last_seq is None, catch_up=True)
+                        self._share_partial(pod, stream)
                         quiet_since = time.monotonic()
                     continue
                 quiet_since = time.monotonic()
@@ -138,6 +141,7 @@ class KVEventSubscriber:
                     stream.bad_payloads += 1
                     continue
                 await self._receive(pod, endpoints, stream, sequence_of(frames[1]), frames[2])
+                self._share_partial(pod, stream)
         finally:
             sub.close(linger=0)
 
@@ -157,6 +161,10 @@ class KVEventSubscriber:
             if stream.last_seq is not None and seq <= stream.last_seq:
                 return
         self._apply(pod, stream, seq, payload)
+
+    def _share_partial(self, pod: str, stream: PodStream) -> None:
+        """The stream's `partial`, onto the index the proxies share (a change only when it flips)."""
+        self.index.set_partial(pod, stream.partial)
 
     @staticmethod
     def _restarted(payload: bytes) -> bool:
@@ -205,7 +213,7 @@ class KVEventSubscriber:
         return False
 
     def _restore(self, pod: str, stream: PodStream, checkpoint: PodCheckpoint) -> None:
-        self.index.restore(pod, checkpoint.blocks, checkpoint.block_size, checkpoint.unresolved)
+        self.index.restore(pod, checkpoint.blocks, checkpoint.block_size, checkpoint.unresolved, checkpoint.partial)
         stream.last_seq, stream.last_ts = checkpoint.seq, checkpoint.ts
         stream.partial, stream.resumed = checkpoint.partial, True
 
@@ -263,6 +271,8 @@ class KVEventSubscriber:
                     continue
                 if seq == END_SEQ:
                     self.index.track(pod)  # the pod answers: it reports its cache, empty or not
+                    if joining and stream.last_seq is None:
+                        stream.partial = False  # nothing buffered: it never published, so it stored nothing
                     return True
                 if seq != expected and not (joining and expected == first):
                     stream.partial = True  # the pod no longer buffers what was missed

@@ -89,6 +89,13 @@ class KVEventPublisher:
         except zmq.Again:  # past the high-water mark: the subscriber replays it
             pass
 
+    def keep_last(self, batches: int) -> int:
+        """Drop all but the last `batches` from the replay buffer (`/control`): a buffer that no longer reaches back
+        to where a subscriber would start, as after more than `buffer_steps` batches. Returns how many are kept."""
+        while len(self._buffer) > max(0, batches):
+            self._buffer.popleft()
+        return len(self._buffer)
+
     def restart(self) -> None:
         """A restarted server: its sequence starts over, its buffer is empty, and it says its cache is empty."""
         self._seq = 0

@@ -287,7 +287,8 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
         """Change this replica at run time: `{"speed": 0.5}` (a GPU that throttles or is shared),
         `{"garble": "vllm:kv_cache_usage_perc"}` (that family's values unreadable on /metrics; "" ends it),
         `{"restart": true}` (when idle: the cache emptied, KV events from sequence 0 with AllBlocksCleared), or
-        `{"drop_events": N}` (the next N event batches reach only the replay buffer: a subscriber sees a gap)."""
+        `{"drop_events": N}` (the next N event batches reach only the replay buffer: a subscriber sees a gap), or
+        `{"replay_keep": N}` (the replay buffer keeps only its last N batches: it no longer reaches back)."""
         if (denied := refused(request)) is not None:
             return denied
         try:
@@ -296,10 +297,13 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
                 if not replica.restart():
                     return JSONResponse({"error": "restart: the replica is busy; restart it when idle"}, status_code=409)
                 return JSONResponse({"restarted": True})
-            if "drop_events" in body:
+            if "drop_events" in body or "replay_keep" in body:
+                field = "drop_events" if "drop_events" in body else "replay_keep"
                 if replica.publisher is None:
-                    return JSONResponse({"error": "drop_events: KV events are not published (--kv-events-config)"},
+                    return JSONResponse({"error": f"{field}: KV events are not published (--kv-events-config)"},
                                         status_code=400)
+                if field == "replay_keep":
+                    return JSONResponse({"replay_keep": replica.publisher.keep_last(int(body["replay_keep"]))})
                 replica.publisher.dropped_next = int(body["drop_events"])
                 return JSONResponse({"drop_events": replica.publisher.dropped_next})
             if "garble" in body:
