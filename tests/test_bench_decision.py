@@ -104,3 +104,21 @@ def test_the_engines_events_show_the_documents_another_client_cached():
         assert exact.gateway_hit_rate > inferred.gateway_hit_rate + 0.02, (seed, exact.gateway_hit_rate,
                                                                              inferred.gateway_hit_rate)
         assert exact.gateway_hit_rate != exact.hit_rate
+
+
+def test_a_scraper_that_joins_every_pod_afresh_leaves_the_exact_rules_level_with_the_inferred_ones(monkeypatch):
+    """kv-pressure-rejoin: 60 s in, the scraper starts over with no checkpoint and no replay, each pod partial. The
+    hot tenants' system prompts stay cached and are never announced again, so their documents' blocks chain to
+    parents the index never saw. Taken as exact, those empty figures lose hits; taken as a floor under the
+    inferred index, the rules keep the inferred index's hits."""
+    from lora_affinity_plugin.exact_share import HeldBlocks
+
+    scenario = at_rate(replace(get_scenario("kv-pressure-rejoin"), duration_s=300.0), 0.75)
+    for seed in (1, 2):
+        inferred, floor = (run_fast(scenario, name, seed=seed) for name in ("lora-affinity", "lora-affinity-exact"))
+        with monkeypatch.context() as patch:
+            patch.setattr(HeldBlocks, "partial", lambda self, pod: False)  # the figures taken as exact
+            as_exact = run_fast(scenario, "lora-affinity-exact", seed=seed)
+        assert inferred.errors == floor.errors == as_exact.errors == 0
+        assert floor.hit_rate >= inferred.hit_rate - 0.01, (seed, floor.hit_rate, inferred.hit_rate)
+        assert as_exact.hit_rate <= floor.hit_rate - 0.02, (seed, as_exact.hit_rate, floor.hit_rate)

@@ -230,6 +230,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     push(0.0, "scrape")
     if scenario.slowdown is not None:
         push(scenario.slowdown[0], "slowdown", scenario.slowdown[1:])
+    if scenario.events_rejoin_s is not None and kv_index is not None:
+        push(scenario.events_rejoin_s, "rejoin")
     for at, replica, turn in background_arrivals(scenario, seed):
         push(at, "background", (replica, turn))
     if gateways > 1:  # the gateways have been sharing before the load starts: they know their peers
@@ -301,6 +303,15 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
                 for i, entries in enumerate(prefixes):
                     if i != g and entries:
                         policy.peer_prefixes(entries)
+        elif kind == "rejoin":
+            # A scraper redeployed with no checkpoint, every pod's replay buffer past reach: it starts from
+            # nothing, each pod partial (what the engines already hold is never announced again).
+            kv_index = ExactIndex()
+            for i, engine in enumerate(engines):
+                engine.pool.events.clear()
+                kv_index.track(f"r{i}")
+                kv_index.set_partial(f"r{i}", True)
+            push(now + REFRESH_LAG_S, "kv", kv_index.take_changes())
         elif kind == "slowdown":  # what the live simulator's /control endpoint does
             replica, speed = data
             engines[replica].config.speed = speed

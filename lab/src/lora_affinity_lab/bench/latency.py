@@ -35,6 +35,9 @@ def run_latency(args: argparse.Namespace) -> int:
     scenario = with_overrides(get_scenario(args.scenario), tenants=getattr(args, "tenants", None))
     if scenario.tenants and args.mode != "fast":
         raise SystemExit("--tenants applies to fast mode")
+    if scenario.events_rejoin_s is not None and args.mode != "fast":
+        raise SystemExit(f"--scenario {scenario.name} runs in fast mode only (--mode fast): the live harness does not "
+                         "redeploy its scraper mid-run")
     if args.minutes_of_load:
         scenario = _with_duration(scenario, args.minutes_of_load * 60)
     strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else \

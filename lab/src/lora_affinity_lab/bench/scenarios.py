@@ -57,6 +57,9 @@ class Scenario:
     """Replicas of different speeds and sizes, as `lora-affinity sim --replica-profiles` takes them."""
     slowdown: tuple[float, int, float] | None = None
     """(at simulated second, replica, new speed): a replica that throttles mid-run."""
+    events_rejoin_s: float | None = None
+    """Simulated second at which the scraper following the KV events is redeployed with no checkpoint and every
+    pod's replay buffer past reach: it joins each pod afresh, partial (fast mode)."""
     chat_share: float = 0.0
     documents: int = 0
     """kv-pressure: documents per tenant, each shared by the requests that ask about it."""
@@ -132,6 +135,10 @@ SCENARIOS: dict[str, Scenario] = {
                  "the replicas in turn, past the gateways",
                  **_KV_PRESSURE, arrival_rate=1.0,
                  rates=(0.5, 0.75, 1.0, 1.25, 1.5), background_rate=0.5, background_documents=True),
+        Scenario("kv-pressure-rejoin", "the kv-pressure traffic; after 60 s the scraper following the KV events is "
+                 "redeployed with no checkpoint and every replay buffer past reach, so it joins each pod afresh: "
+                 "the blocks the engines already hold are never announced again",
+                 **_KV_PRESSURE, arrival_rate=1.0, rates=(0.5, 0.75, 1.0, 1.25, 1.5), events_rejoin_s=60.0),
         Scenario("kv-pressure-hetero", "the kv-pressure traffic on a fleet with half the replicas at half speed "
                  "(profiles speed=1;speed=0.5)",
                  **_KV_PRESSURE, arrival_rate=1.0,
