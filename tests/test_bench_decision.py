@@ -122,3 +122,10 @@ def test_a_scraper_that_joins_every_pod_afresh_leaves_the_exact_rules_level_with
         assert inferred.errors == floor.errors == as_exact.errors == 0
         assert floor.hit_rate >= inferred.hit_rate - 0.01, (seed, floor.hit_rate, inferred.hit_rate)
         assert as_exact.hit_rate <= floor.hit_rate - 0.02, (seed, as_exact.hit_rate, floor.hit_rate)
+
+
+def test_the_seed_by_seed_tool_compares_both_indexes_on_every_seed():
+    stdout = run_bench_tool("knee_by_seed.py", "kv-pressure-rejoin", "1", "2", "2")
+    rows = [line.split() for line in stdout.splitlines()[1:3]]
+    assert [row[0] for row in rows] == ["1", "2"] and all(float(row[1]) > 0 and float(row[4]) > 0 for row in rows)
+    assert re.search(r"the exact rules higher in [0-2] of 2 seeds\n$", stdout), stdout
