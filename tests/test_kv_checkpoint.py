@@ -174,6 +174,9 @@ async def test_a_scraper_starting_after_every_scraper_was_down_resumes_from_the_
             proxy = Follower(settings, FleetView(settings), lambda: [pod], lambda s: None)
             await proxy.refresh(redis)
             assert proxy.fleet.held.partial(pod) and proxy.fleet.held.size(pod) == 10
+            from prometheus_client import REGISTRY
+
+            assert REGISTRY.get_sample_value("lora_affinity_kv_index_partial", {"pod": pod}) == 1  # on the dashboard
         finally:
             for s in scrapers:
                 await s.aclose()

@@ -66,6 +66,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
      "How old the last applied batch of each pod's KV events is (a growing lag: the subscriber falls behind), and "
      "gaps in its sequence: replayed, or lost (that pod's exact index is partial until it clears its cache). The "
      "lease holder and one standby both follow each pod: the worse of the two is shown, a gap once."),
+    ("KV events: pods whose index is partial", "short",
+     [('max by (pod) (lora_affinity_kv_index_partial{pod=~"$pod"})', "{{pod}}")],
+     "1 while a pod's exact index may lack blocks its engine holds (the scraper joined it past its replay buffer, "
+     "or a gap was lost): the proxies count their inferred index for it too, until the pod clears its cache (a "
+     "restart). Many partial pods after a scraper redeploy: its checkpoint was not used (see the scraper's log)."),
     ("Settings version, per process", "short",
      [("max by (instance) (lora_affinity_settings_version)", "{{instance}}")],
      "Every proxy and scraper should show the same version within a second of a change."),

@@ -19,7 +19,7 @@ from .exact_index import ExactIndex
 from .exact_share import changes_key, encode_changes, snapshot_key
 from .kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from .kv_subscriber import EventEndpoints, KVEventSubscriber
-from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS
+from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS, KV_INDEX_PARTIAL
 from .pods import deployment_pod
 from .settings import Settings
 
@@ -148,8 +148,8 @@ class KVEventSharing:
         self._task, self.subscriber = None, None
 
     def export(self) -> None:
-        """Each followed pod's stream on the scraper's /metrics: its lag, batches, gaps and index size (the counters
-        exported from 0, so an alert's increase() sees the first gap too)."""
+        """Each followed pod's stream on the scraper's /metrics: its lag, batches, gaps, index size and whether it is
+        partial (the counters exported from 0, so an alert's increase() sees the first gap too)."""
         if self.subscriber is None:
             return
         for pod, stream in self.subscriber.streams.items():
@@ -162,6 +162,7 @@ class KVEventSharing:
                 KV_EVENTS_GAPS.labels(pod, outcome).inc(max(0, count - self._exported.get(key, 0)))
                 self._exported[key] = count
             KV_INDEX_BLOCKS.labels(pod).set(self.subscriber.index.size(pod))
+            KV_INDEX_PARTIAL.labels(pod).set(1 if stream.partial else 0)
 
     async def share(self, client, prefix: str) -> None:
         """This interval's changes into the stream; every few seconds a snapshot the stream continues from."""

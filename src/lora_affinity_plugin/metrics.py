@@ -50,3 +50,7 @@ KV_EVENTS_GAPS = Counter("lora_affinity_kv_events_gaps_total",
                          "Gaps in a pod's event sequence, by outcome: replayed (filled from its replay socket) or lost "
                          "(its index is partial until the pod clears its cache)", ["pod", "outcome"])
 KV_INDEX_BLOCKS = Gauge("lora_affinity_kv_index_blocks", "Blocks the exact index holds for the pod", ["pod"])
+KV_INDEX_PARTIAL = Gauge("lora_affinity_kv_index_partial",
+                         "1 while the pod's exact index may lack blocks its engine holds (its events joined late or a "
+                         "gap lost past the replay buffer): proxies count the inferred index too, until the pod clears "
+                         "its cache", ["pod"])
