@@ -386,6 +386,11 @@ def test_an_unreadable_batch_marks_the_pod_partial_and_keeps_its_index():
     subscriber._apply("p", stream, 1, b"\xc1 not msgpack")
     assert stream.partial and stream.bad_payloads == 1 and stream.last_seq == 1
     assert subscriber.index.match("p", keys(list(range(BS)), "sql")) == 1
+    # A cache cleared behind a store in the same batch (a prefix-cache reset between steps): whole again.
+    cleared = EventBatch(2.0, (stored([2], None, list(range(BS, 2 * BS))), AllBlocksCleared(),
+                               stored([3], None, list(range(2 * BS, 3 * BS)))))
+    subscriber._apply("p", stream, 2, encode_batch(cleared))
+    assert not stream.partial and subscriber.index.size("p") == 1
 
 
 async def test_a_proxy_reads_the_change_sets_in_its_one_refresh_round_trip_and_reloads_the_snapshot_after_a_gap():

@@ -186,8 +186,8 @@ class KVEventSubscriber:
             return
         if stream.last_seq is None and seq != 0 and not (batch.events and isinstance(batch.events[0], AllBlocksCleared)):
             stream.partial = True  # joined after the server's first batches: what they stored is unknown
-        if batch.events and isinstance(batch.events[0], AllBlocksCleared):
-            stream.partial = False
+        if any(isinstance(event, AllBlocksCleared) for event in batch.events):
+            stream.partial = False  # (anywhere in the batch: what follows it is all the cache holds)
         elif stream.last_seq is None and seq == 0:
             stream.partial = False
         self.index.track(pod)
