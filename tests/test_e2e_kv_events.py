@@ -1,7 +1,8 @@
 """Exact cache state end to end: simulated replicas publish KV events (a real tokenizer.json), the scraper
 follows them and shares the index through a real Redis, and a real LiteLLM proxy matches each prompt against
 what the engines hold. A restarted replica's blocks are gone from the proxy's view within a refresh, where
-the inferred index would still send the prompt there; a pod that publishes no events keeps the inferred index."""
+the inferred index would still send the prompt there; a pod that publishes no events keeps the inferred index;
+a pod a new scraper joins past its replay buffer is partial, its figure at least what the proxy sent there."""
 
 import json
 import subprocess
