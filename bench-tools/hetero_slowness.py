@@ -1,11 +1,12 @@
-"""How soon, and how steadily, the plugin counts the half-speed replicas of `mixed-hetero` as slow.
+"""How soon, and how steadily, the plugin counts the half-speed replicas of an uneven fleet as slow.
 
 Runs the fast bench's `lora-affinity` policy (the plugin's FleetView, rules and rate learning) and reads its
 fleet view after every scrape: when each odd (half-speed) replica first counts slow, and after 20 simulated
 seconds the share of scrapes where a half-speed replica still reads 1.0, with the prefill and decode factors
 (p10 / p50 / p90) of both kinds of replica.
 
-    .venv/bin/python bench-tools/hetero_slowness.py [RATE] [SEEDS]    # defaults: 2.5 req/s, seeds 1-5
+    .venv/bin/python bench-tools/hetero_slowness.py [RATE] [SEEDS] [SCENARIO]
+    # defaults: 2.5 req/s, seeds 1-5, mixed-hetero; e.g. hetero_slowness.py 0.5 5 kv-pressure-hetero
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ class _Watch(FastObserver):
                 figures["decode"].append(pod.rates.decode_factor)
 
 
-def main(rate: float = 2.5, seeds: int = 5) -> None:
+def main(rate: float = 2.5, seeds: int = 5, scenario_name: str = "mixed-hetero") -> None:
     watch = _Watch()
-    scenario = at_rate(get_scenario("mixed-hetero"), rate)
+    scenario = at_rate(get_scenario(scenario_name), rate)
     for seed in range(1, seeds + 1):
         run_fast(scenario, "lora-affinity", seed, observer=watch)
         print(f"seed {seed}: half-speed replicas first count slow at "
@@ -64,4 +65,5 @@ def main(rate: float = 2.5, seeds: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    main(*(float(a) if i == 0 else int(a) for i, a in enumerate(sys.argv[1:3])))
+    args = sys.argv[1:4]
+    main(*(float(a) if i == 0 else int(a) if i == 1 else a for i, a in enumerate(args)))

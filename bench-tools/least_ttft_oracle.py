@@ -12,8 +12,9 @@ over all runs of each strategy, where it sent requests: the share to replicas sl
 the adapter requests by where their adapter was on the replica chosen (running there, in a GPU slot, in CPU
 memory, or to be loaded from disk).
 
-    .venv/bin/python bench-tools/least_ttft_oracle.py SCENARIO RATES SEEDS [STRATEGY,...]
+    .venv/bin/python bench-tools/least_ttft_oracle.py SCENARIO RATES SEEDS [STRATEGY,...] [--minutes M]
     # e.g. least_ttft_oracle.py mixed 4,4.4,5,5.2 10 lora-affinity,lora-affinity-noprefix
+    # --minutes: simulated minutes of arrivals per rate (default: the scenario's 1.5, as the bench's)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
@@ -98,10 +100,13 @@ class _Watch(FastObserver):
             self.step_ends[replica] = now + duration_s
 
 
-def _one(args: tuple[str, float, int, str]) -> tuple[float, int, collections.Counter]:
+def _one(args: tuple[str, float, int, str, float | None]) -> tuple[float, int, collections.Counter]:
     """TTFT p90, completions, and where the requests went (`_where`)."""
-    name, rate, seed, strategy = args
-    scenario = at_rate(get_scenario(name), rate)
+    name, rate, seed, strategy, minutes = args
+    scenario = get_scenario(name)
+    if minutes:
+        scenario = dataclasses.replace(scenario, duration_s=minutes * 60)
+    scenario = at_rate(scenario, rate)
     watch = _Watch()
 
     def making_policy(strategy_name, replicas, rng, overrides=None):
@@ -148,6 +153,7 @@ def main() -> None:
     parser.add_argument("rates", type=_rates, help="requests per second, e.g. 4,4.4,5")
     parser.add_argument("seeds", type=int, help="seeds 1..SEEDS")
     parser.add_argument("strategies", nargs="?", default="lora-affinity", help="beside the oracle, comma-separated")
+    parser.add_argument("--minutes", type=float, default=None, help="simulated minutes of arrivals per rate")
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error(f"SEEDS must be at least 1, not {args.seeds}")
@@ -162,7 +168,7 @@ def main() -> None:
         for rate in args.rates:
             cells = []
             for strategy in names:
-                runs = list(pool.map(_one, [(args.scenario, rate, s, strategy) for s in range(1, args.seeds + 1)]))
+                runs = list(pool.map(_one, [(args.scenario, rate, s, strategy, args.minutes) for s in range(1, args.seeds + 1)]))
                 cells.append(f"{statistics.median(r[0] for r in runs):.2f} ({statistics.median(r[1] for r in runs):g})")
                 for run in runs:
                     where[strategy].update(run[2])

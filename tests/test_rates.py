@@ -100,6 +100,7 @@ def test_the_page_s_histogram_sums_and_counts_are_read():
     assert counters.ttft_count == 10000 and counters.ttft_sum == pytest.approx(1234.5)
     assert counters.queue_time_count == 10000 and counters.prefill_time_count == 10000
     assert counters.itl_count == 10000 and counters.prompt_tokens == 12345
+    assert counters.prefix_hits == 12345 and counters.prefix_queries == 12345
 
 
 def test_rates_travel_in_the_record_and_bad_values_are_bounded():
@@ -257,3 +258,25 @@ def test_a_hostile_decode_factor_in_a_record_is_bounded_or_dropped():
     garbled = record.to_json().replace(b'"decode_factor":2.0', b'"decode_factor":"slow"')
     read = PodRecord.from_json(garbled)
     assert read.metrics == record.metrics and read.rates is None  # routed at the default rates, not dropped
+
+
+def test_a_prefill_s_cache_hits_counted_a_scrape_before_its_tokens_still_count_against_them():
+    """vLLM counts a request's cache hits when it is scheduled and its prompt tokens when its prefill ends: a
+    half-speed pod whose long prefill spanned a scrape must still read 2x, not faster than the fleet."""
+    from lora_affinity_plugin.podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN
+
+    taken = 2 * (PREFILL_OVERHEAD_S + 400 * PREFILL_S_PER_TOKEN)  # 400 of 2,400 tokens computed, at half speed
+    tracker = RateTracker()
+    tracker.observe("pod", PodCounters(), 0.0)
+    scheduled = PodCounters(prefix_hits=2000, prefix_queries=2400)
+    tracker.observe("pod", scheduled, 0.2)
+    ended = PodCounters(prefix_hits=2000, prefix_queries=2400, prompt_tokens=2400, prefill_time_sum=taken,
+                        prefill_time_count=1)
+    assert tracker.observe("pod", ended, 0.4).prefill_factor == pytest.approx(2.0)
+    # A page without the queries counter (an older server) keeps the plain difference of the interval.
+    tracker = RateTracker()
+    tracker.observe("pod", PodCounters(), 0.0)
+    tracker.observe("pod", PodCounters(prefix_hits=2000), 0.2)
+    plain = tracker.observe("pod", PodCounters(prefix_hits=2000, prompt_tokens=2400, prefill_time_sum=taken,
+                                               prefill_time_count=1), 0.4)
+    assert plain.prefill_factor < 1.0

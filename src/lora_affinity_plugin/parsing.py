@@ -29,6 +29,8 @@ _COUNTERS = {
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:gpu_prefix_cache_hits_total": "prefix_hits",  # the name before vLLM 0.10
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:gpu_prefix_cache_queries_total": "prefix_queries",
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:request_success_total": "requests_finished",
 }

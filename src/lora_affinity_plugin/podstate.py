@@ -34,6 +34,8 @@ class PodCounters:
     prompt_tokens: float = 0.0
     prefix_hits: float = 0.0
     """Prompt tokens found in the prefix cache (not computed)."""
+    prefix_queries: float = 0.0
+    """Prompt tokens looked up in the prefix cache: counted with the hits, when a request is scheduled."""
     generation_tokens: float = 0.0
     requests_finished: float = 0.0
 

@@ -45,6 +45,10 @@ class _PodHistory:
     decode: _Decode = field(default_factory=_Decode)
     measured: set[str] = field(default_factory=set)
     """The rates measured at least once: each one's first measurement replaces its default, not averages with it."""
+    lookups: tuple[float, float] = (0.0, 0.0)
+    """Cache hits and queries counted since the last interval in which a prefill ended (`_computed_tokens`)."""
+    hit_share: float | None = None
+    """The share of queried tokens the cache held, over the lookups the last prefills consumed."""
 
 
 class RateTracker:
@@ -79,6 +83,7 @@ class RateTracker:
         previous_load, history.load = history.load, load
         if counters.prefill_time_count < previous.prefill_time_count:  # the server restarted: start over
             history.rates, history.first, history.decode, history.measured = DEFAULT_RATES, counters, _Decode(), set()
+            history.lookups, history.hit_share = (0.0, 0.0), None
             return history.rates
         if interval > 0:
             mean_load = ((previous_load[0] + running) / 2, (previous_load[1] + kv_tokens) / 2)
@@ -107,8 +112,8 @@ def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, inte
         rates.prefill_factor, rates.decode_step_s, rates.queue_s_per_request, rates.mean_output_tokens,
         rates.decode_factor)
     prefills = after.prefill_time_count - before.prefill_time_count
+    computed = _computed_tokens(history, before, after, prefills)
     if prefills >= MIN_REQUESTS:
-        computed = (after.prompt_tokens - before.prompt_tokens) - (after.prefix_hits - before.prefix_hits)
         expected = prefills * PREFILL_OVERHEAD_S + max(0.0, computed) * PREFILL_S_PER_TOKEN
         taken = after.prefill_time_sum - before.prefill_time_sum
         if expected > 0 and taken > 0:
@@ -140,6 +145,32 @@ def _updated(history: _PodHistory, before: PodCounters, after: PodCounters, inte
         return rates
     return PodRates.bounded(True, prefill_factor=prefill_factor, decode_step_s=step, queue_s_per_request=per_queued,
                             mean_output_tokens=output, decode_factor=decode_factor)
+
+
+def _computed_tokens(history: _PodHistory, before: PodCounters, after: PodCounters, prefills: float) -> float:
+    """The prompt tokens the prefills that ended in the interval computed (not found in the cache).
+
+    vLLM counts a request's cache hits (and queries) when it is scheduled, its prompt tokens when its prefill
+    ends: a prefill that spans a scrape has its hits in one interval and its tokens in the next, and
+    subtracting that interval's hits read a half-speed pod serving cached prefixes as faster than the fleet.
+    So the hits and queries are pooled until prefills end, and their share applied to those prompt tokens.
+    A server that counts no queries keeps the plain difference."""
+    prompt = after.prompt_tokens - before.prompt_tokens
+    hits = after.prefix_hits - before.prefix_hits
+    queries = after.prefix_queries - before.prefix_queries
+    if after.prefix_queries <= 0 or hits < 0 or queries < 0:
+        return prompt - hits
+    pooled_hits, pooled_queries = history.lookups
+    pooled_hits, pooled_queries = pooled_hits + hits, pooled_queries + queries
+    if prefills <= 0:
+        history.lookups = (pooled_hits, pooled_queries)
+        return prompt - hits
+    history.lookups = (0.0, 0.0)
+    if pooled_queries > 0:
+        history.hit_share = min(1.0, pooled_hits / pooled_queries)
+    if history.hit_share is None:
+        return prompt - hits
+    return prompt * (1.0 - history.hit_share)
 
 
 def _smooth(old: float, new: float, measured: set[str], rate: str) -> float:

@@ -380,9 +380,13 @@ class ReplicaEngine:
         """The histograms' sums and counts and the token counters, as a scraper reads them."""
         from lora_affinity_plugin.podstate import PodCounters
 
-        return PodCounters(self.prefill_time.sum, self.prefill_time.count, self.queue_time.sum, self.queue_time.count,
-                           self.ttft.sum, self.ttft.count, self.itl.sum, self.itl.count, self.prompt_tokens_total,
-                           self.prefix_hits_total, self.generation_tokens_total, sum(self.finished_by_reason.values()))
+        return PodCounters(
+            prefill_time_sum=self.prefill_time.sum, prefill_time_count=self.prefill_time.count,
+            queue_time_sum=self.queue_time.sum, queue_time_count=self.queue_time.count, ttft_sum=self.ttft.sum,
+            ttft_count=self.ttft.count, itl_sum=self.itl.sum, itl_count=self.itl.count,
+            prompt_tokens=self.prompt_tokens_total, prefix_hits=self.prefix_hits_total,
+            prefix_queries=self.prefix_queries_total, generation_tokens=self.generation_tokens_total,
+            requests_finished=sum(self.finished_by_reason.values()))
 
 
 def _lru_put(lru: OrderedDict[str, None], key: str, capacity: int) -> None:
