@@ -129,3 +129,16 @@ def test_the_seed_by_seed_tool_compares_both_indexes_on_every_seed():
     rows = [line.split() for line in stdout.splitlines()[1:3]]
     assert [row[0] for row in rows] == ["1", "2"] and all(float(row[1]) > 0 and float(row[4]) > 0 for row in rows)
     assert re.search(r"the exact rules higher in [0-2] of 2 seeds\n$", stdout), stdout
+
+
+def test_half_speed_pods_serving_cached_prefixes_read_slow_by_both_factors():
+    """kv-pressure-hetero: the half-speed replicas serve their tenants' cached system prompts, so each prefill's cache
+    hits (counted when it is scheduled) and its prompt tokens (counted when it ends) fall in different scrapes."""
+    stdout = run_bench_tool("hetero_slowness.py", "0.5", "1", "kv-pressure-hetero")
+    half = re.search(r"half-speed replicas after 20 s: slowness 1.0 in ([\d.]+)% of scrapes; prefill factor "
+                     r"p10/p50/p90 ([\d.]+) / ([\d.]+)", stdout)
+    full = re.search(r"full-speed replicas after 20 s: slowness 1.0 in ([\d.]+)% of scrapes; prefill factor "
+                     r"p10/p50/p90 ([\d.]+) /", stdout)
+    assert half and full, stdout
+    assert float(half[1]) < 10 and float(half[2]) > 1.6, stdout  # slow in 9 scrapes of 10, prefill read at ~2x
+    assert float(full[1]) == 100 and float(full[2]) > 0.9, stdout  # never slow, never read faster than they are
