@@ -106,8 +106,8 @@ def test_ttft_causes_charges_each_wait_to_one_cause_and_the_oracle_sees_replicas
         row = re.search(rf"^  {label} +\d+ +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)$", output, re.M)
         return float(row.group(1)), [float(x) for x in row.groups()[1:]]
 
-    scraped = run_bench_tool("ttft_causes.py", "mixed", "5", "2")
-    fit = run_bench_tool("ttft_causes.py", "mixed", "5", "2", "--oracle", "fit")
+    scraped = run_bench_tool("ttft_causes.py", "mixed", "4.4", "2")
+    fit = run_bench_tool("ttft_causes.py", "mixed", "4.4", "2", "--oracle", "fit")
     assert "oracle fit" in fit and "oracle" not in scraped
     ttft, parts = causes(scraped, "all")
     assert 0.6 * ttft < sum(parts) <= ttft  # the rest: the part of the step in flight when the request arrived
