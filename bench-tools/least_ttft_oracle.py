@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import dataclasses
 import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
@@ -30,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from lora_affinity_lab.bench import fast
 from lora_affinity_lab.bench.fast import FastObserver
 from lora_affinity_lab.bench.policies import Policy, make_policy, policy_names
-from lora_affinity_lab.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario
+from lora_affinity_lab.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario, with_overrides
 from lora_affinity_lab.sim.engine import ReplicaEngine, Sequence
 from lora_affinity_lab.sim.kv_cache import block_hashes, count_tokens, prompt_text
 
@@ -103,10 +102,7 @@ class _Watch(FastObserver):
 def _one(args: tuple[str, float, int, str, float | None]) -> tuple[float, int, collections.Counter]:
     """TTFT p90, completions, and where the requests went (`_where`)."""
     name, rate, seed, strategy, minutes = args
-    scenario = get_scenario(name)
-    if minutes:
-        scenario = dataclasses.replace(scenario, duration_s=minutes * 60)
-    scenario = at_rate(scenario, rate)
+    scenario = at_rate(with_overrides(get_scenario(name), duration_s=minutes * 60 if minutes else None), rate)
     watch = _Watch()
 
     def making_policy(strategy_name, replicas, rng, overrides=None):
