@@ -280,3 +280,23 @@ def test_a_prefill_s_cache_hits_counted_a_scrape_before_its_tokens_still_count_a
     plain = tracker.observe("pod", PodCounters(prefix_hits=2000, prompt_tokens=2400, prefill_time_sum=taken,
                                                prefill_time_count=1), 0.4)
     assert plain.prefill_factor < 1.0
+
+
+def test_a_queries_counter_that_goes_back_or_reads_fewer_than_the_hits_costs_nothing_but_its_share():
+    """A bad queries counter (reset alone, or under the hits) must not break the rate or the pod: the plain
+    difference stands in where the queries went back, and more hits than queries read as the whole prompt cached."""
+    from lora_affinity_plugin.podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN, RATE_BOUNDS
+
+    taken = PREFILL_OVERHEAD_S + 400 * PREFILL_S_PER_TOKEN
+    tracker = RateTracker()
+    tracker.observe("pod", PodCounters(prefix_hits=5000, prefix_queries=9000), 0.0)
+    went_back = PodCounters(prefix_hits=7000, prefix_queries=100, prompt_tokens=2400, prefill_time_sum=taken,
+                            prefill_time_count=1)  # queries went back; the prompt's 2,000 hits are this interval's
+    assert tracker.observe("pod", went_back, 0.2).prefill_factor == pytest.approx(1.0)
+    tracker = RateTracker()
+    tracker.observe("pod", PodCounters(), 0.0)
+    over = PodCounters(prefix_hits=3000, prefix_queries=2400, prompt_tokens=2400, prefill_time_sum=taken,
+                       prefill_time_count=1)  # more hits than queries: the share is capped at the whole prompt
+    factor = tracker.observe("pod", over, 0.2).prefill_factor
+    assert factor == pytest.approx(taken / PREFILL_OVERHEAD_S)  # 2.6: all of it read as cached, none below
+    assert factor < RATE_BOUNDS["prefill_factor"][1]
