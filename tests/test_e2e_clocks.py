@@ -90,6 +90,24 @@ def _load(url: str) -> list[int]:
         return list(pool.map(one, range(REQUESTS)))
 
 
+def _until_the_proxy_decides(stack) -> None:
+    """One request at a time until the proxy's rules decide one. A proxy that has read no record yet (the first
+    phase: records appear only with the first scraper) leaves a group to LiteLLM until its next refresh, without a
+    decision or a fallback line; the load must start after that, or a request or two go uncounted."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        mark = len(stack["proxy"].log())
+        with httpx.Client(timeout=30) as http:
+            http.post(stack["url"] + "/v1/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"},
+                      json={"model": ADAPTERS[0], "prompt": "hi", "max_tokens": 1})
+        settle = time.monotonic() + 2
+        while time.monotonic() < settle:
+            if " -> " in stack["proxy"].log()[mark:]:
+                return
+            time.sleep(0.05)
+    raise AssertionError("the proxy never routed a request by its rules")
+
+
 def _phase(stack, skew: str) -> dict:
     """The scraper's clock `skew` off (faketime's form, "" for none): records' offsets from Redis's clock, before
     and after a load of REQUESTS, the load's statuses, and the proxy's decisions and fallbacks meanwhile."""
@@ -100,6 +118,7 @@ def _phase(stack, skew: str) -> dict:
         while time.monotonic() < deadline and (len(now := _holders(stack)) < 3 or now & before):
             time.sleep(0.1)
         assert len(now) == 3 and not now & before, f"no record by the new scraper: {now}"
+        _until_the_proxy_decides(stack)
         offsets = _record_offsets(stack)
         mark = len(stack["proxy"].log())
         statuses = _load(stack["url"])
