@@ -197,3 +197,19 @@ def test_a_kept_candidate_list_reads_like_a_fresh_one_after_every_change():
         assert kept == fleet.candidates(list(pods), now), step
         kept.clear()  # the caller's copy: clearing it must not empty the kept one
         assert fleet.candidates(pods, now) == fleet.candidates(list(pods), now)
+
+
+def test_the_long_prompts_sent_to_a_pod_count_as_computing_there_until_their_prefill_should_be_done():
+    """A scrape shows a prompt running, not how much of its prefill is left: the gateway counts its own estimate,
+    each prompt behind the ones sent before it."""
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 100.0)})
+    messages = [{"role": "user", "content": "a long question " * 200}]
+    assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S, now=100.0).prefilling == {}
+    fleet.note_prefix("a", (1, 2, 3), 100.0, prefill_s=0.8)
+    fleet.note_prefix("a", (4, 5, 6), 100.2, prefill_s=0.5)  # queued behind the first: done at 101.3
+    fleet.note_prefix("unknown", (7,), 100.2, prefill_s=5.0)  # a pod with no record is not tracked
+    prefilling = fleet.route_request("x", "x", messages, {}, ["a", "b"], S, now=100.3).prefilling
+    assert prefilling.keys() == {"a"} and abs(prefilling["a"] - 1.0) < 1e-9
+    assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S, now=101.4).prefilling == {}
+    assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S).prefilling == {}  # no clock given: none

@@ -536,3 +536,42 @@ def test_a_large_prompt_leaves_its_prefix_holder_when_that_cache_has_no_room_for
     assert choose_pod([full, idle], small, S, random.Random(1)).pod == "a"
     unknown_size = replace(full, kv_cache_tokens=None)  # a page that does not say how big the cache is
     assert choose_pod([unknown_size, idle], large, S, random.Random(1)).pod == "a"
+
+
+def _speeds(slowness: float) -> dict:
+    from lora_affinity_plugin.podstate import PodRates
+
+    return {"slowness": slowness, "rates": PodRates(prefill_factor=slowness, decode_factor=slowness)}
+
+
+def test_instructions_held_only_on_a_slower_pod_give_way_to_an_idle_faster_pod():
+    """An app's instructions (10 of 31 blocks) held on one half-speed pod, its adapter running nowhere: computing
+    the other 21 blocks there at half speed takes longer than the whole prompt on an idle full-speed pod
+    (kv-pressure-hetero: 0.99 s against 0.77 s), and while the holder kept them the app's every new prompt went
+    slow. Under load the fast pod's time is worth more than the seconds saved, and the holder keeps them."""
+    slow = replace(pod("slow"), kv_free_tokens=50_000, **_speeds(2.0))
+    fast = replace(pod("fast"), kv_free_tokens=50_000)
+    app = RouteRequest("sql", prefix_blocks=31, prefix_matches={"slow": 10}, placement_key=7, instructions_blocks=10)
+    assert choose_pod([slow, fast], app, S, random.Random(1)).pod == "fast"
+    # Most of the prompt held there: the rest is quicker on the slow pod than all of it on the fast one.
+    assert choose_pod([slow, fast], replace(app, prefix_matches={"slow": 29}), S, random.Random(1)).pod == "slow"
+    # The fast pod is computing a prompt this gateway sent it a moment ago: it would start this one later.
+    assert choose_pod([slow, fast], replace(app, prefilling={"fast": 1.0}), S, random.Random(1)).pod == "slow"
+    # The fast pods are all busy: the time saved is less than the fast-pod time the move costs.
+    busy = replace(fast, running=2)
+    assert choose_pod([slow, busy], app, S, random.Random(1)).pod == "slow"
+    # Pods of one speed: the holder keeps them, as before.
+    assert choose_pod([replace(slow, **_speeds(1.0)), fast], app, S, random.Random(1)).pod == "slow"
+
+
+def test_an_unseen_prompt_goes_where_it_starts_soonest_not_only_to_the_fastest_pod():
+    """The fastest pods first, until what one is computing costs more than a slower pod's whole prefill."""
+    slow = replace(pod("slow"), kv_free_tokens=50_000, **_speeds(2.0))
+    fast = replace(pod("fast"), kv_free_tokens=50_000)
+    unseen = RouteRequest(None, prefix_blocks=31, placement_key=7)
+    assert choose_pod([slow, fast], unseen, S, random.Random(1)).pod == "fast"
+    assert choose_pod([slow, fast], replace(unseen, prefilling={"fast": 3.0}), S, random.Random(1)).pod == "slow"
+    # Equal pods: the prompts in flight do not decide here (load and cost do, after).
+    twins = [replace(slow, key="a", **_speeds(1.0)), replace(fast, key="b")]
+    chosen = choose_pod(twins, unseen, S, random.Random(1)).pod
+    assert choose_pod(twins, replace(unseen, prefilling={chosen: 3.0}), S, random.Random(1)).pod == chosen

@@ -8,6 +8,7 @@ from .placement import (
     fewest_prefixes,
     slots_scarce,
     starts_sooner_elsewhere,
+    outpaced,
     warm_for_adapter,
     warm_pods,
 )
@@ -65,8 +66,9 @@ class HistoryQueued(Condition):
 
 class AdapterSurvey(Part):
     """Not a rule: reads, once, what the adapter rules ask of the pods (the least load; the pods holding the
-    prompt's prefix; the adapter's holders and those of them not far busier, counted at their speed, with the
-    warm ones `warm_for_adapter` keeps), so that the conditions and filters after it read them."""
+    prompt's prefix, none when only slower pods hold it and a faster one starts it sooner (`placement.outpaced`);
+    the adapter's holders and those of them not far busier, counted at their speed, with the warm ones
+    `warm_for_adapter` keeps), so that the conditions and filters after it read them."""
 
     name = "adapter_survey"
     kind = "survey"
@@ -82,6 +84,8 @@ class AdapterSurvey(Part):
         run.fleet_min = fleet_min = min([p.load for p in pods])
         cache_aware = self.with_prefix and run.long_prompt
         run.warm = warm_pods(pods, request, settings, fleet_min) if cache_aware else []
+        if run.warm and outpaced(run.warm, pods, request, settings):
+            run.warm = []  # its prefix held only where a faster idle pod starts the whole prompt sooner: as unseen
         run.holders, run.roomy = adapter_holders(pods, request.adapter, settings, fleet_min, self.by_speed)
         if cache_aware:
             run.roomy += warm_for_adapter(run.warm, run.holders, run.roomy, fleet_min, settings)

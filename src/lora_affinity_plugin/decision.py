@@ -112,6 +112,8 @@ class RouteRequest:
     `system` or `developer` message): the part that comes back with every request of the app."""
     later_turn: bool = False
     """The prompt carries an earlier turn of its conversation (an `assistant` message)."""
+    prefilling: Mapping[str, float] = field(default_factory=dict)
+    """Seconds each pod should still spend computing the long prompts this gateway sent it (absent: none)."""
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .decision import Candidate, DecisionRun, Filter
-from .placement import admits_now, fastest, least_band_int, not_far_busier, tokens_per_block
+from .placement import admits_now, fastest, least_band_int, not_far_busier, soonest_start, tokens_per_block
 
 
 class LowQueue(Filter):
@@ -27,12 +27,13 @@ class Roomy(Filter):
 
 
 class Fastest(Filter):
-    """The fastest pods: a prompt no pod holds is computed whole, so speed comes before cache room."""
+    """The pods that start an unseen prompt soonest (`placement.soonest_start`): it is computed whole, so speed comes
+    before cache room, until what a fast pod is computing and its queue cost more than a slower pod's prefill."""
 
     name = "fastest"
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
-        return fastest(pods)
+        return soonest_start(pods, run.request, run.settings)
 
 
 class PrefixMatch(Filter):

@@ -75,6 +75,9 @@ class FleetView:
         """Other gateway processes sharing in-flight requests, as of the last refresh."""
         self._peers_read_at = float("inf")
         self._anonymous = 0
+        self._computing_until: dict[str, float] = {}
+        """Per pod, when the prompts this process sent it should be computed by (its estimate at dispatch, this
+        process's clock): a scrape shows such a prompt running, not how much of its prefill is left."""
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
         self.held = HeldBlocks()
         """What each pod's engine reports its cache holds (its KV events, through the scraper and Redis)."""
@@ -140,15 +143,24 @@ class FleetView:
         self.prefixes.ttl_s = self.settings.prefix_ttl_ms / 1000
         self.prefixes.expire(now)
 
-    def note_prefix(self, pod: str, hashes: Sequence[int], now: float) -> None:
-        """The request's prompt is now (being) computed on `pod`: it will hold these blocks."""
+    def note_prefix(self, pod: str, hashes: Sequence[int], now: float, prefill_s: float = 0.0) -> None:
+        """The request's prompt is now (being) computed on `pod`: it will hold these blocks, after about `prefill_s`
+        seconds of prefill there, behind the prompts sent before it."""
         self.prefixes.add(pod, hashes, now, share=self.settings.share_prefixes)
+        if prefill_s > 0 and pod in self._pods:
+            self._computing_until[pod] = max(self._computing_until.get(pod, now), now) + prefill_s
+
+    def _prefilling(self, pods: Iterable[str], now: float) -> dict[str, float]:
+        """Seconds each pod should still spend on the prompts this process sent it (none listed: done)."""
+        until = self._computing_until
+        return {pod: until[pod] - now for pod in pods if until.get(pod, now) > now}
 
     def route_request(self, adapter: str | None, scope: str, messages: Any, request_kwargs: Any, pods: Iterable[str],
-                      settings: Settings, sheddable: bool = False, model: str | None = None) -> RouteRequest:
+                      settings: Settings, sheddable: bool = False, model: str | None = None,
+                      now: float | None = None) -> RouteRequest:
         """What the rules need to know about one request: its adapter, class and prompt prefix. A pod whose
         engine publishes KV events is matched by what it holds (`exact_matches`), the others by the inferred
-        index."""
+        index. `now` (this process's clock): the prompts still being computed where they were sent count too."""
         hashes = prompt_prefix(messages, scope, request_kwargs, settings)
         gateways = 1 + self.peer_processes
         home = self.dealt_pod(adapter, pods) if gateways > 1 and adapter is not None else None
@@ -166,7 +178,8 @@ class FleetView:
             prefix_matches=matches, match_sources=sources, prefix_hashes=hashes,
             prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
             instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
-            later_turn=adapter is None and is_later_turn(messages))  # only a base-model turn reads it
+            later_turn=adapter is None and is_later_turn(messages),  # only a base-model turn reads it
+            prefilling=self._prefilling(pods, now) if now is not None and self._computing_until else {})
 
     def _with_exact(self, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None, messages: Any,
                     request_kwargs: Any, pods: Iterable[str], settings: Settings

@@ -109,12 +109,58 @@ def warm_pods(pods: list[Candidate], request: RouteRequest, settings: Settings, 
     return [p for n, p in held if n == best]
 
 
+def prefill_estimate_s(p: Candidate, request: RouteRequest, settings: Settings) -> float:
+    """The request's prefill on `p`: the tokens of its prompt `p` does not hold, at `p`'s learned speed."""
+    held = request.prefix_matches.get(p.key, 0)
+    return p.rates.prefill_s((request.prefix_blocks - held) * tokens_per_block(settings))
+
+
+def _first_token_s(p: Candidate, request: RouteRequest, settings: Settings) -> float:
+    """When `p` would start the request: the prompts it is still computing, its wait, the adapter's load, the
+    prefill of what it does not hold."""
+    wait, adapter_s, prefill, _ = pod_cost(p, request, settings, 0)  # type: ignore[misc]
+    return request.prefilling.get(p.key, 0.0) + wait + adapter_s + prefill
+
+
+def outpaced(warm: list[Candidate], pods: list[Candidate], request: RouteRequest, settings: Settings) -> bool:
+    """Every holder of the longest prefix is slower than a pod that holds none of it, admits the whole prompt now
+    and would start it sooner than the holders start the rest, by more than the work it adds: that pod's prefill of
+    the whole prompt, times the share of the faster pods that are busy (running, queued, or computing prompts this
+    gateway sent). An app's instructions held on one half-speed pod would otherwise draw the app's every new
+    prompt there, while a full-speed pod sits idle; under load the fast pods' time is worth more than the seconds
+    saved. In a fleet of equals no pod is faster, and the holders keep their prompts."""
+    least_slowness = min(p.slowness for p in warm)
+    faster = [p for p in pods if p.slowness < least_slowness and p.key not in request.prefix_matches]
+    if not faster:
+        return False
+    whole = request.prefix_blocks * tokens_per_block(settings)
+    admitting = [p for p in faster if admits_now(p, whole)]
+    if not admitting:
+        return False
+    target = min(admitting, key=lambda p: _first_token_s(p, request, settings))
+    gain = min(_first_token_s(p, request, settings) for p in warm) - _first_token_s(target, request, settings)
+    busy = sum(1 for p in faster if p.load > 0 or p.key in request.prefilling) / len(faster)
+    return gain > busy * target.rates.prefill_s(whole)
+
+
 def fastest(pods: list[Candidate]) -> list[Candidate]:
     """The pods of the least `slowness` (all of them in a fleet of equals: slowness is 1.0 within the noise)."""
     if not pods:
         return pods
     least = min(p.slowness for p in pods)
     return [p for p in pods if p.slowness == least]
+
+
+def soonest_start(pods: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
+    """The pods that would start the prompt soonest (`_first_token_s`, within the cost band), where speeds differ:
+    the fastest pod is the best place for an unseen prompt until what it is computing and its queue cost more
+    than a slower pod's whole prefill. Pods of one speed are all kept: load and cost decide after."""
+    if len(pods) < 2 or min(p.slowness for p in pods) == max(p.slowness for p in pods):
+        return pods
+    starts = [_first_token_s(p, request, settings) for p in pods]
+    least = min(starts)
+    edge = max(least + settings.cost_band_ms / 1000, least * (1 + settings.cost_band_ratio))
+    return [p for p, start in zip(pods, starts) if start <= edge]
 
 
 def adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, fleet_min: int, by_speed: bool = False

@@ -36,6 +36,7 @@ from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard, pod_marks
 from .pooling import POOLED_PROVIDERS, PooledClients, provider_of
+from .placement import prefill_estimate_s
 from .scheduling import NoCapacity, Shed, choose_pod
 from .settings import Settings, build_settings
 
@@ -149,7 +150,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             adapter = None  # the base model: no LoRA rule applies
         settings = self._group_settings(model)
         request = self.fleet.route_request(adapter, adapter or model, messages, request_kwargs, pods.positions, settings,
-                                           self._sheddable(model, request_kwargs), model=model)
+                                           self._sheddable(model, request_kwargs), model=model, now=now)
         decision = choose_pod(candidates, request, settings, self.rng)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s -> %s (%s) among %s, prefix %d blocks, matches %s", adapter, decision.pod,
@@ -157,7 +158,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                          request.prefix_blocks, request.prefix_matches)
         self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None)
         if request.prefix_hashes:
-            self.fleet.note_prefix(decision.pod, request.prefix_hashes, now)
+            chosen = next(c for c in candidates if c.key == decision.pod)
+            self.fleet.note_prefix(decision.pod, request.prefix_hashes, now, prefill_estimate_s(chosen, request, settings))
         if call_id:
             tried_pods = self._tried.get(call_id, ())
             if decision.pod not in tried_pods:  # a tuple: most calls are tried once (a set costs 216 bytes)

@@ -13,6 +13,7 @@ from collections import defaultdict, deque
 
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.inflight import PeerShare
+from lora_affinity_plugin.placement import prefill_estimate_s
 from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS
 from lora_affinity_plugin.rates import RateTracker, decode_load
 from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, RouteRequest, Shed, choose_pod
@@ -229,7 +230,7 @@ class Rules(Policy):
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
         request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, _caller(tenant), self.keys,
-                                           self.settings, sheddable)
+                                           self.settings, sheddable, now=now)
         self.last = None
         try:
             decision = self.decide(candidates, request)
@@ -241,7 +242,9 @@ class Rules(Policy):
         self.last = (decision, candidates, request)
         self.fleet.note_dispatch(decision.pod, adapter, now, call_id)
         if request.prefix_hashes:
-            self.fleet.note_prefix(decision.pod, request.prefix_hashes, now)
+            chosen = next(c for c in candidates if c.key == decision.pod)
+            self.fleet.note_prefix(decision.pod, request.prefix_hashes, now,
+                                   prefill_estimate_s(chosen, request, self.settings))
         return self.keys.index(decision.pod)
 
     def decide(self, candidates: list[Candidate], request: RouteRequest) -> Decision:
