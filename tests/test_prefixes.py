@@ -564,11 +564,11 @@ def test_instructions_held_only_on_a_slower_pod_give_way_to_an_idle_faster_pod()
     assert choose_pod([replace(slow, **_speeds(1.0)), fast], app, S, random.Random(1)).pod == "slow"
 
 
-def test_an_unseen_prompt_goes_where_it_starts_soonest_not_only_to_the_fastest_pod():
+def test_an_app_s_new_instructions_go_where_they_start_soonest_not_only_to_the_fastest_pod():
     """The fastest pods first, until what one is computing costs more than a slower pod's whole prefill."""
     slow = replace(pod("slow"), kv_free_tokens=50_000, **_speeds(2.0))
     fast = replace(pod("fast"), kv_free_tokens=50_000)
-    unseen = RouteRequest(None, prefix_blocks=31, placement_key=7)
+    unseen = RouteRequest("sql", prefix_blocks=31, placement_key=7, instructions_blocks=10)
     assert choose_pod([slow, fast], unseen, S, random.Random(1)).pod == "fast"
     assert choose_pod([slow, fast], replace(unseen, prefilling={"fast": 3.0}), S, random.Random(1)).pod == "slow"
     # Equal pods: the prompts in flight do not decide here (load and cost do, after).

@@ -27,10 +27,20 @@ class Roomy(Filter):
 
 
 class Fastest(Filter):
-    """The pods that start an unseen prompt soonest (`placement.soonest_start`): it is computed whole, so speed comes
-    before cache room, until what a fast pod is computing and its queue cost more than a slower pod's prefill."""
+    """The fastest pods: a prompt no pod holds is computed whole, so speed comes before cache room."""
 
     name = "fastest"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return fastest(pods)
+
+
+class SoonestStart(Filter):
+    """The pods that would start the prompt soonest (`placement.soonest_start`): the fastest, until what a fast pod
+    is computing and its queue cost more than a slower pod's prefill. For an app's new instructions, where a
+    slower holder gave way (`placement.outpaced`) to the pod that starts them sooner."""
+
+    name = "soonest_start"
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
         return soonest_start(pods, run.request, run.settings)

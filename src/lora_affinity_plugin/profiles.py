@@ -49,6 +49,7 @@ from .filters import (
     Resident,
     Roomy,
     RoomyForPlacement,
+    SoonestStart,
 )
 from .scorers import (
     FewestAdapters,
@@ -79,6 +80,10 @@ def _cheapest(branch: str, agree: bool = False) -> list[Part]:
 UNSEEN_PREFIX = [Roomy(), Fastest(), FewestPrefixes()]
 """A prompt no pod holds: the pods not far busier, the fastest of them (all of it is computed), and of those the
 ones whose caches hold least (it stays where it lands)."""
+
+NEW_INSTRUCTIONS = [Roomy(), SoonestStart(), FewestPrefixes()]
+"""An app's instructions no pod holds (or only slower pods that a faster one outpaces): the pods not far busier,
+those that would start them soonest, the emptiest caches (every later request of the app follows them)."""
 
 PREFIX = Branch(PrefixHeld(), [PrefixMatch()], UNSEEN_PREFIX)
 """The longest cached prefix (not far busier), else the unseen prompt's placement."""
@@ -120,7 +125,7 @@ LORA_AFFINITY: list[Part] = [
     ], [
         AdapterSurvey(),
         Branch(DealtWhileSlotsScarce(), [Dealt(), Pick("dealt")]),
-        Branch(UnseenInstructions(), [*UNSEEN_PREFIX, *_adapter_then_least_load("new_prefix")]),
+        Branch(UnseenInstructions(), [*NEW_INSTRUCTIONS, *_adapter_then_least_load("new_prefix")]),
         Branch(AdapterRoomy(), [
             AdapterActive(),
             Branch(LongPrompt(), [Branch(PromptUnseen(), [AdmitsNow()]), LeastLoadOrLongestMatch(), _by_prefix("affinity")],
