@@ -6,9 +6,9 @@ from .decision import Candidate, Condition, DecisionRun, Outcome, Part, Picker
 from .placement import (
     adapter_holders,
     fewest_prefixes,
+    outpaced,
     slots_scarce,
     starts_sooner_elsewhere,
-    outpaced,
     warm_for_adapter,
     warm_pods,
 )

@@ -150,10 +150,10 @@ class FleetView:
         if prefill_s > 0 and pod in self._pods:
             self._computing_until[pod] = max(self._computing_until.get(pod, now), now) + prefill_s
 
-    def _prefilling(self, pods: Iterable[str], now: float) -> dict[str, float]:
-        """Seconds each pod should still spend on the prompts this process sent it (none listed: done)."""
-        until = self._computing_until
-        return {pod: until[pod] - now for pod in pods if until.get(pod, now) > now}
+    def _prefilling(self, now: float) -> dict[str, float]:
+        """Seconds each pod should still spend on the prompts this process sent it (none listed: done). Read from
+        the few pods tracked, not the request's deployments: the rules look up only their candidates."""
+        return {pod: until - now for pod, until in self._computing_until.items() if until > now}
 
     def route_request(self, adapter: str | None, scope: str, messages: Any, request_kwargs: Any, pods: Iterable[str],
                       settings: Settings, sheddable: bool = False, model: str | None = None,
@@ -179,7 +179,7 @@ class FleetView:
             prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
             instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
             later_turn=adapter is None and is_later_turn(messages),  # only a base-model turn reads it
-            prefilling=self._prefilling(pods, now) if now is not None and self._computing_until else {})
+            prefilling=self._prefilling(now) if now is not None and self._computing_until else {})
 
     def _with_exact(self, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None, messages: Any,
                     request_kwargs: Any, pods: Iterable[str], settings: Settings

@@ -134,11 +134,11 @@ def outpaced(warm: list[Candidate], pods: list[Candidate], request: RouteRequest
     if not faster:
         return False
     whole = request.prefix_blocks * tokens_per_block(settings)
-    admitting = [p for p in faster if admits_now(p, whole)]
-    if not admitting:
+    starts = [(_first_token_s(p, request, settings), p) for p in faster if admits_now(p, whole)]
+    if not starts:
         return False
-    target = min(admitting, key=lambda p: _first_token_s(p, request, settings))
-    gain = min(_first_token_s(p, request, settings) for p in warm) - _first_token_s(target, request, settings)
+    start, target = min(starts, key=lambda pair: pair[0])
+    gain = min(_first_token_s(p, request, settings) for p in warm) - start
     busy = sum(1 for p in faster if p.load > 0 or p.key in request.prefilling) / len(faster)
     return gain > busy * target.rates.prefill_s(whole)
 
