@@ -200,7 +200,7 @@ def wait_proxy(proc: Proc, port: int, timeout: float = 120.0) -> Proc:
 
 def litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", env: dict | None = None) -> Proc:
     """A started proxy. One that never answered within `wait_proxy`'s timeout is started once more (said on
-    stderr): in one of twelve CI runs (stops 31 and 32) a proxy's start stalled right after LiteLLM's start-up,
+    stderr): in one of twelve CI runs a proxy's start stalled right after LiteLLM's start-up,
     on a busy 2-core machine, and alone the same stack starts in seconds. A proxy that exits is an error at
     once."""
     try:
