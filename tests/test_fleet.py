@@ -213,3 +213,15 @@ def test_the_long_prompts_sent_to_a_pod_count_as_computing_there_until_their_pre
     assert prefilling.keys() == {"a"} and abs(prefilling["a"] - 1.0) < 1e-9
     assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S, now=101.4).prefilling == {}
     assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S).prefilling == {}  # no clock given: none
+
+
+def test_a_fleet_simulated_faster_than_real_time_ends_its_prompts_sooner_on_the_gateway_s_clock():
+    """Prefill is estimated in engine seconds; a fleet at 5x speed computes 5 of them in one second of the proxy's."""
+    fast = S.model_copy(update={"engine_time_scale": 5.0})
+    fleet = FleetView(fast)
+    fleet.update({"a": rec("a", 100.0)})
+    messages = [{"role": "user", "content": "a long question " * 200}]
+    fleet.note_prefix("a", (1, 2, 3), 100.0, prefill_s=1.0)  # done at 100.2 on the proxy's clock
+    prefilling = fleet.route_request("x", "x", messages, {}, ["a"], fast, now=100.1).prefilling
+    assert abs(prefilling["a"] - 0.5) < 1e-9  # still half a second of the engine's
+    assert fleet.route_request("x", "x", messages, {}, ["a"], fast, now=100.25).prefilling == {}

@@ -147,13 +147,15 @@ class FleetView:
         """The request's prompt is now (being) computed on `pod`: it will hold these blocks, after about `prefill_s`
         seconds of prefill there, behind the prompts sent before it."""
         self.prefixes.add(pod, hashes, now, share=self.settings.share_prefixes)
-        if prefill_s > 0 and pod in self._pods:
-            self._computing_until[pod] = max(self._computing_until.get(pod, now), now) + prefill_s
+        if prefill_s > 0 and pod in self._pods:  # kept on this process's clock, estimated in engine seconds
+            scale = self.settings.engine_time_scale
+            self._computing_until[pod] = max(self._computing_until.get(pod, now), now) + prefill_s / scale
 
     def _prefilling(self, now: float) -> dict[str, float]:
-        """Seconds each pod should still spend on the prompts this process sent it (none listed: done). Read from
-        the few pods tracked, not the request's deployments: the rules look up only their candidates."""
-        return {pod: until - now for pod, until in self._computing_until.items() if until > now}
+        """Engine seconds each pod should still spend on the prompts this process sent it (none listed: done). Read
+        from the few pods tracked, not the request's deployments: the rules look up only their candidates."""
+        scale = self.settings.engine_time_scale
+        return {pod: (until - now) * scale for pod, until in self._computing_until.items() if until > now}
 
     def route_request(self, adapter: str | None, scope: str, messages: Any, request_kwargs: Any, pods: Iterable[str],
                       settings: Settings, sheddable: bool = False, model: str | None = None,

@@ -78,6 +78,10 @@ class Settings(BaseModel):
     """Records expire; older than this, metrics are not used at all (LiteLLM's shuffle decides)."""
     dispatch_lag_ms: int = Field(50, ge=0, le=10_000)
     """A request sent this long before a scrape may not have reached the server yet: keep counting it."""
+    engine_time_scale: float = Field(1.0, ge=0.01, le=1_000.0)
+    """Engine seconds per second of the gateway's clock: 1 for real model servers. A simulated fleet that runs
+    faster than real time (`lora-affinity sim --speed`) sets its speed, so that the prompts the gateway counts
+    as still computing on a pod end when the engine would end them."""
 
     # The endpoint picker's v0.2 thresholds (same names and defaults).
     queueing_threshold_lora: int = Field(128, ge=0)

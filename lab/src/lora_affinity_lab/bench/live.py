@@ -67,6 +67,7 @@ def plugin_settings(speed: float, overrides: dict) -> dict:
         "metrics_ttl_ms": max(50, round(10_000 / speed)),
         "dispatch_lag_ms": round(50 / speed),
         "scrape_timeout_ms": max(100, round(1000 / speed)),
+        "engine_time_scale": speed,  # the replicas' prefill seconds pass `speed` times faster than the proxies' clock
         **overrides,
     }
 
