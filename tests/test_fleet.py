@@ -1,8 +1,10 @@
 """The proxy's fleet view: dispatches since the scrape, staleness, residency of idle pods."""
 
+import pytest
+
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.podstate import PodMetrics
-from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.settings import SettingsError, build_settings
 from lora_affinity_plugin.store import PodRecord
 
 S = build_settings({"stale_after_ms": 1000, "metrics_ttl_ms": 3000})
@@ -225,3 +227,5 @@ def test_a_fleet_simulated_faster_than_real_time_ends_its_prompts_sooner_on_the_
     prefilling = fleet.route_request("x", "x", messages, {}, ["a"], fast, now=100.1).prefilling
     assert abs(prefilling["a"] - 0.5) < 1e-9  # still half a second of the engine's
     assert fleet.route_request("x", "x", messages, {}, ["a"], fast, now=100.25).prefilling == {}
+    with pytest.raises(SettingsError, match="engine_time_scale: 0 is not allowed"):  # never divides by zero
+        build_settings({"engine_time_scale": 0}, {})
