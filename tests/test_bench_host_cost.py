@@ -42,3 +42,31 @@ def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plug
     assert "refused" not in out.stderr or out.returncode == 1
     (held,) = [line for line in out.stdout.splitlines() if "the shared index holds" in line]
     assert int(held.split("holds ")[1].split()[0]) > 0 and held.endswith("of 2 pods"), held
+
+
+def test_host_cost_profile_counts_only_the_plugin_s_own_frames_and_where_samples_land(tmp_path):
+    """`bench-tools/host_cost_profile.py` reads py-spy's raw output (full file names): a stack is the plugin's own
+    when its innermost plugin frame calls no LiteLLM or Starlette code; threads parked in a wait are not CPU."""
+    import importlib.util
+
+    from procs import BENCH_TOOLS
+
+    spec = importlib.util.spec_from_file_location("host_cost_profile", BENCH_TOOLS / "host_cost_profile.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    site, plugin, lib = "/v/lib/python3.11/site-packages", "/w/src/lora_affinity_plugin", "/usr/lib/python3.11"
+    raw = tmp_path / "profile.raw"
+    raw.write_text("\n".join([
+        f"process 1;run ({lib}/asyncio/runners.py:118);choose ({plugin}/strategy.py:90);"
+        f"decide ({plugin}/scheduling.py:40) 7",
+        f"process 1;run ({lib}/asyncio/runners.py:118);refresh ({plugin}/fleet.py:60);"
+        f"read_response ({site}/redis/connection.py:500) 3",
+        f"process 1;choose ({plugin}/strategy.py:90);acompletion ({site}/litellm/main.py:400) 5",
+        f"process 1;handle ({site}/starlette/routing.py:70);select ({lib}/asyncio/base_events.py:1900) 10",
+        f"process 1;_bootstrap ({lib}/threading.py:995);_worker ({lib}/concurrent/futures/thread.py:81) 50",
+        f"process 1;_bootstrap ({lib}/threading.py:995);Condition.wait ({lib}/threading.py:327) 40",
+    ]))
+    total, own, by_function = tool.own_share(raw)
+    assert (total, own) == (25, 10)  # parked threads left out; LiteLLM below the plugin is LiteLLM's
+    assert by_function == {"decide": 7, "refresh": 3}
+    assert tool.by_leaf_package(raw) == {"lora_affinity_plugin": 7, "redis": 3, "litellm": 5, "asyncio": 10}

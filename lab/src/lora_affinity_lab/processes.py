@@ -89,6 +89,8 @@ def child_env(**extra: str) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "LITELLM_MASTER_KEY": MASTER_KEY,
         "PYTHONUNBUFFERED": "1",
+        # A crash in native code (a C or Rust extension) leaves every thread's Python stack in the log.
+        "PYTHONFAULTHANDLER": "1",
         # LiteLLM's own pool (hosted_vllm chat) keeps idle connections 15 s, the model servers 5 s: a request
         # written on one the server is closing fails (HTTP 500). deploy/Dockerfile sets the same.
         "AIOHTTP_KEEPALIVE_TIMEOUT": os.environ.get("AIOHTTP_KEEPALIVE_TIMEOUT", "4"),
