@@ -35,8 +35,13 @@ def test_host_cost_compares_proxy_cpu_per_request_kind_with_and_without_the_plug
         alone_net = statistics.median(row["alone_net_ms"])
         path = statistics.median(row["plugin_net_ms"]) / alone_net if alone_net > 0 else None
         assert row["request_path_ratio"] == path and row["request_path_met"] == (path is not None and path <= 1.10)
-        assert printed[kind][8:] == (["n/a", "n/a"] if path is None else
+        assert printed[kind][8:10] == (["n/a", "n/a"] if path is None else
                                      [f"{path:.2f}x", "met" if row["request_path_met"] else "MISSED"]), printed[kind]
+        # Both proxies at once, a ratio per round, its median judged against the goal.
+        together = row["together_ratios"]
+        assert len(together) == 2 and min(together) > 0 and row["together_ratio"] == statistics.median(together)
+        assert row["together_met"] == (row["together_ratio"] <= 1.10)
+        assert printed[kind][10:] == [f"{row['together_ratio']:.2f}x", "met" if row["together_met"] else "MISSED"]
         # Idle over a small run's 2 s may read 0: CPU time counts in 10 ms ticks.
         assert min(idle.values()) >= 0 and all(0 < s < 120 for s in row["alone_s"] + row["plugin_s"])
     assert "refused" not in out.stderr or out.returncode == 1
