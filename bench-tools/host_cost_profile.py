@@ -31,7 +31,8 @@ from lora_affinity_plugin.settings import Settings
 PROMPT_CHARS = 16384
 RATE_HZ = 250
 HOST_CODE = ("litellm/", "starlette/")
-IDLE_LEAVES = {("_worker", "concurrent/futures/thread.py"), ("Condition.wait", "threading.py"), ("wait", "threading.py")}
+IDLE_LEAVES = {("_worker", "concurrent/futures/thread.py"), ("Condition.wait", "threading.py"),
+               ("wait", "threading.py")}
 
 
 def own_share(raw: Path) -> tuple[int, int, collections.Counter]:
