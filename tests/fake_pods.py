@@ -4,8 +4,9 @@
 
 Each port is one pod. Tests script a pod's metrics with POST /_control/metrics, how it answers with
 POST /_control/behaviour ({"fail": n, "delay": s, "chunks": n, "chunk_delay": s}; {"release": true} ends
-every delay under way at once) and read which
-models it served with GET /_control/requests.
+every delay under way at once) and read which models it served with GET /_control/requests.
+A request in its scripted delay is reported as running on top of the scripted metrics, as vLLM reports
+the requests it is computing: a scrape sees the requests a proxy sent there.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from starlette.routing import Route
 BASE_MODEL = "meta-llama/Llama-2-7b-hf"
 
 
-def metrics_page(state: dict) -> str:
+def metrics_page(state: dict, in_flight: int = 0) -> str:
     running = ",".join(state.get("running_adapters", []))
     waiting = ",".join(state.get("waiting_adapters", []))
     labels = f'model_name="{BASE_MODEL}"'
     return "\n".join([
         "# HELP vllm:num_requests_running Number of requests in model execution batches.",
         "# TYPE vllm:num_requests_running gauge",
-        f"vllm:num_requests_running{{{labels}}} {float(state.get('running', 0))}",
+        f"vllm:num_requests_running{{{labels}}} {float(state.get('running', 0) + in_flight)}",
         "# TYPE vllm:num_requests_waiting gauge",
         f"vllm:num_requests_waiting{{{labels}}} {float(state.get('waiting', 0))}",
         "# TYPE vllm:kv_cache_usage_perc gauge",
@@ -44,12 +45,13 @@ def metrics_page(state: dict) -> str:
 
 
 def make_app(port: int) -> Starlette:
-    state: dict = {"metrics": {}, "requests": [], "raw": None, "behaviour": {}, "release": asyncio.Event()}
+    state: dict = {"metrics": {}, "requests": [], "raw": None, "behaviour": {}, "release": asyncio.Event(),
+                   "in_flight": 0}
 
     async def metrics(_: Request):
         if state["raw"] is not None:
             return PlainTextResponse(state["raw"])
-        return PlainTextResponse(metrics_page(state["metrics"]))
+        return PlainTextResponse(metrics_page(state["metrics"], state["in_flight"]))
 
     async def set_metrics(request: Request):
         body = await request.json()
@@ -81,10 +83,13 @@ def make_app(port: int) -> Starlette:
         if behaviour.get("fail", 0) > 0:
             behaviour["fail"] -= 1
             return JSONResponse({"error": {"message": "scripted failure", "type": "server_error"}}, status_code=500)
+        state["in_flight"] += 1
         try:
             await asyncio.wait_for(state["release"].wait(), behaviour.get("delay", 0))
         except asyncio.TimeoutError:
             pass
+        finally:
+            state["in_flight"] -= 1
         if body.get("stream"):
             async def chunks():
                 for i in range(behaviour.get("chunks", 3)):
