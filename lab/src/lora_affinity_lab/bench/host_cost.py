@@ -215,10 +215,11 @@ def run_host_cost(args: argparse.Namespace) -> int:
         store.stop()
     idle = {name: (idle_before[name] + idle_after[name]) / 2 for name in STRATEGIES}
     net = _net_of_idle(cpu, windows, idle, requests)
-    print(_table(cpu, net, busiest, together))
+    rows = _rows(cpu, net, windows, busiest, idle, together)
+    print(_table(rows))
     if getattr(args, "json_path", None):
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(_rows(cpu, net, windows, busiest, idle, together), indent=2))
+        Path(args.json_path).write_text(json.dumps(rows, indent=2))
     print(f"idle, CPU ms per second (before / after the rounds): LiteLLM alone {idle_before['simple-shuffle']:.1f} / "
           f"{idle_after['simple-shuffle']:.1f}, with the plugin {idle_before['lora-affinity']:.1f} / "
           f"{idle_after['lora-affinity']:.1f} (its refresh every scrape_interval_ms)")
@@ -240,11 +241,12 @@ def _rows(cpu: dict[tuple[str, str], list[float]], net: dict[tuple[str, str], li
         alone, plugin = cpu[("simple-shuffle", kind)], cpu[("lora-affinity", kind)]
         ratio = statistics.median(plugin) / statistics.median(alone)
         per_round = _per_round(cpu, kind)
+        paired = statistics.median(per_round)
         path = _request_path_ratio(net, kind)
         at_once = statistics.median(together[kind])
         out[kind] = {"alone_ms": alone, "plugin_ms": plugin, "ratio": ratio, "goal": GOAL, "met": ratio <= GOAL,
-                     "round_ratios": per_round, "per_round_ratio": statistics.median(per_round),
-                     "per_round_met": statistics.median(per_round) <= GOAL,
+                     "round_ratios": per_round, "per_round_ratio": paired,
+                     "per_round_met": paired <= GOAL,
                      "alone_s": windows[("simple-shuffle", kind)], "plugin_s": windows[("lora-affinity", kind)],
                      "alone_net_ms": net[("simple-shuffle", kind)], "plugin_net_ms": net[("lora-affinity", kind)],
                      "request_path_ratio": path, "request_path_met": path is not None and path <= GOAL,
@@ -278,22 +280,18 @@ def _verdict(ratio: float | None) -> str:
     return "n/a" if ratio is None else "met" if ratio <= GOAL else "MISSED"
 
 
-def _table(cpu: dict[tuple[str, str], list[float]], net: dict[tuple[str, str], list[float]],
-           busiest: dict[tuple[str, str], float], together: dict[str, list[float]]) -> str:
+def _table(rows: dict) -> str:
+    """`_rows` as the printed table."""
     head = (f"{'request kind':<14}{'LiteLLM alone ms/req':>22}{'with the plugin ms/req':>24}{'ratio':>8}"
             f"{'goal <= ' + format(GOAL, '.2f') + 'x':>15}{'busiest worker':>16}{'per round':>11}{'goal':>8}"
             f"{'request path':>14}{'goal':>8}{'both at once':>14}{'goal':>8}")
     lines = ["proxy CPU per request (every process of the proxy; medians over rounds):", head, "-" * len(head)]
-    for kind in KINDS:
-        alone = statistics.median(cpu[("simple-shuffle", kind)])
-        plugin = statistics.median(cpu[("lora-affinity", kind)])
-        ratio = plugin / alone
-        load = max(busiest[("simple-shuffle", kind)], busiest[("lora-affinity", kind)])
-        paired = statistics.median(_per_round(cpu, kind))
-        path = _request_path_ratio(net, kind)
-        at_once = statistics.median(together[kind])
+    for kind, row in rows.items():
+        alone, plugin = statistics.median(row["alone_ms"]), statistics.median(row["plugin_ms"])
+        ratio, paired = row["ratio"], row["per_round_ratio"]
+        path, at_once = row["request_path_ratio"], row["together_ratio"]
         lines.append(f"{kind:<14}{alone:>22.1f}{plugin:>24.1f}{ratio:>7.2f}x{_verdict(ratio):>15}"
-                     f"{load:>16.0%}{paired:>10.2f}x{_verdict(paired):>8}"
+                     f"{row['busiest_worker']:>16.0%}{paired:>10.2f}x{_verdict(paired):>8}"
                      f"{'n/a' if path is None else format(path, '.2f') + 'x':>14}{_verdict(path):>8}"
                      f"{at_once:>13.2f}x{_verdict(at_once):>8}")
     lines.append("per round: the median of each round's ratio (both proxies' turns in one round share the machine's "
