@@ -46,7 +46,7 @@ def test_the_runtime_dependencies_leave_out_what_only_benchmarks_use():
                      for r in requires if "extra ==" not in r}
     assert not unconditional & BENCH_ONLY, unconditional
     assert "litellm" in unconditional
-    assert not any(r.startswith("litellm[") and "extra ==" not in r for r in requires)  # [proxy] is optional
+    assert not any(r.startswith("litellm[") for r in requires)  # no extra pins LiteLLM's proxy: it would downgrade a host
 
 
 def test_a_lab_command_without_the_lab_installed_names_it(monkeypatch, capsys):

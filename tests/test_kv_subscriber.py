@@ -515,3 +515,100 @@ async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_wh
             await other.aclose()
             replay_task.cancel()
             publisher.close()
+
+
+class _Dropping:
+    """A publisher's PUB socket that loses the next `n` batches (a subscriber's high-water mark, a reconnect),
+    which stay in the publisher's replay buffer."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.n = sock, 0
+
+    def send_multipart(self, frames, *args, **kwargs):
+        if self.n > 0:
+            self.n -= 1
+            return None
+        return self.sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("release", __import__("vllm_wheels").releases())
+async def test_vllms_own_publisher_is_followed_exactly_through_a_late_join_a_lost_stretch_adapters_and_salts(release):
+    """vLLM's released `kv_events.py`, unmodified: batches sent before the subscriber came and batches the
+    subscriber lost are recovered from its replay socket (since 0.26 it answers `(b"", topic, seq, payload)`),
+    a removal among the lost ones included; an adapter's and a salted prompt's blocks are keyed apart."""
+    import vllm_wheels
+
+    vllm = vllm_wheels.publisher_module(release)
+    fields = set(vllm.BlockStored.__struct_fields__)
+
+    def stored_by_vllm(hashes, parent, tokens, lora=None, salt=None):
+        extra = [tuple(k for k in (lora, salt if i == 0 and parent is None else None) if k) or None
+                 for i in range(len(hashes))]
+        values = dict(block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(tokens), block_size=BS,
+                      lora_id=1 if lora else None, medium="GPU", lora_name=lora,
+                      extra_keys=extra if (lora or salt) else None)
+        return vllm.BlockStored(**{k: v for k, v in values.items() if k in fields})
+
+    def batch(*events):
+        return vllm.KVEventBatch(ts=time.time(), events=list(events))
+
+    pub_port, replay_port = free_port(), free_port()
+    publisher = vllm.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{pub_port}",
+                                       replay_endpoint=f"tcp://127.0.0.1:{replay_port}", buffer_steps=100, topic="kv")
+    publisher._pub = dropping = _Dropping(publisher._pub)
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(64)]
+    for i in range(3):  # before any subscriber: only the replay buffer has them
+        publisher.publish(batch(stored_by_vllm([500 + i], None, prompts[i])))
+    await _until(lambda: len(publisher._buffer) == 3)  # sent, to nobody yet (the publisher sends from a thread)
+    subscriber = KVEventSubscriber({"p": EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}",
+                                                        topic="kv")})
+    stream = subscriber.streams["p"]
+    stop = asyncio.Event()
+    follow = asyncio.create_task(subscriber.run(stop))
+    try:
+        await _until(lambda: stream.last_seq == 2)
+        assert stream.replayed == 3 and not stream.partial, stream
+        seq, i = 2, 3
+        while stream.batches == stream.replayed:  # until one batch arrives live (a SUB socket joins late)
+            publisher.publish(batch(stored_by_vllm([500 + i], None, prompts[i])))
+            seq, i = seq + 1, i + 1
+            await _until(lambda: stream.last_seq == seq)
+        dropping.n = 3
+        publisher.publish(batch(stored_by_vllm([900], None, prompts[40], lora="sql-lora")))
+        publisher.publish(batch(vllm.BlockRemoved(block_hashes=[500], medium="GPU")))
+        publisher.publish(batch(stored_by_vllm([901], None, prompts[41], salt="tenant-a")))
+        publisher.publish(batch(stored_by_vllm([902], None, prompts[42])))  # live: the gap shows
+        await _until(lambda: stream.last_seq == seq + 4)
+        assert (stream.gaps, stream.gaps_replayed, stream.gaps_lost, stream.partial) == (1, 1, 0, False), stream
+        index = subscriber.index
+        assert index.match("p", keys(prompts[0])) == 0  # removed in a lost batch
+        assert all(index.match("p", keys(prompts[k])) == 1 for k in range(1, i)), release
+        named = "lora_name" in fields  # up to 0.13 an adapter is a number only: its blocks are claimed by no one
+        assert index.match("p", keys(prompts[40], "sql-lora")) == int(named) and index.match("p", keys(prompts[40])) == 0
+        if "extra_keys" in fields:  # (up to 0.13 the salt is not sent)
+            assert index.match("p", keys(prompts[41], salt="tenant-a")) == 1
+            assert index.match("p", keys(prompts[41])) == 0
+        assert index.match("p", keys(prompts[42])) == 1 and stream.bad_payloads == 0
+    finally:
+        stop.set()
+        await follow
+        publisher.shutdown()
+
+
+async def test_a_live_copy_of_batch_zero_after_its_replay_is_no_restart_but_a_new_servers_batch_zero_is():
+    """A subscriber that joins while the server sends its first batch gets it twice: by replay, then live."""
+    subscriber = KVEventSubscriber({"p": EventEndpoints("tcp://127.0.0.1:1")})
+    stream = subscriber.streams["p"]
+    ep = subscriber.endpoints["p"]
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(3)]
+    first = encode_batch(EventBatch(100.0, (stored([1], None, prompts[0]),)))
+    for seq, payload in enumerate([first, *(encode_batch(EventBatch(100.0 + s, (stored([1 + s], None, prompts[s]),)))
+                                           for s in (1, 2))]):
+        await subscriber._receive("p", ep, stream, seq, payload)
+    await subscriber._receive("p", ep, stream, 0, first)
+    assert stream.restarts == 0 and subscriber.index.size("p") == 3
+    await subscriber._receive("p", ep, stream, 0, encode_batch(EventBatch(200.0, (AllBlocksCleared(),))))
+    assert stream.restarts == 1 and subscriber.index.size("p") == 0

@@ -140,3 +140,15 @@ def test_the_operating_pages_restart_only_list_is_the_models():
     page = (Path(__file__).resolve().parents[1] / "docs" / "operating.md").read_text()
     listed = page.split("Settings that need a restart", 1)[1].split("are refused at run time", 1)[0]
     assert set(re.findall(r"`([a-z_]+)`", listed)) == RESTART_ONLY, listed
+
+
+def test_a_missing_unreadable_or_malformed_config_file_is_one_line_naming_it(tmp_path, capsys):
+    from lora_affinity_plugin import cli
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [\n")
+    for path, said in ((tmp_path / "missing.yaml", "No such file"), (tmp_path, "Is a directory"), (bad, "not valid YAML")):
+        for command in ("status", "scrape"):
+            assert cli.main([command, "--config", str(path)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith("error: ") and said in err and "Traceback" not in err, err

@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 
+import yaml
+
 # LiteLLM reaches for the network at import unless told otherwise; this machine class is offline.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS", "True")
@@ -146,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:  # a file named on the command line
+        print(f"error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:
+        print(f"error: not valid YAML: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

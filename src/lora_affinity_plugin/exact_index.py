@@ -101,7 +101,11 @@ class ExactIndex:
         size = event.block_size
         blocks.block_size = size
         if event.parent_block_hash is None:
-            parent: int | None = chain_seed(event.lora_name, _salt(event))
+            # An adapter named only by number (vLLM up to 0.13 sends `lora_id` without `lora_name`): its blocks
+            # cannot be keyed to the name a request carries, so they stay unresolved rather than claimed as the
+            # base model's.
+            anonymous = event.lora_id is not None and event.lora_name is None
+            parent: int | None = None if anonymous else chain_seed(event.lora_name, _salt(event))
         else:
             parent = blocks.by_hash.get(event.parent_block_hash)
         tokens = event.token_ids

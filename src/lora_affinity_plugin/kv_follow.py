@@ -157,7 +157,7 @@ class KVEventSharing:
             batches = KV_EVENTS_BATCHES.labels(pod)
             batches.inc(max(0, stream.batches - self._exported.get(pod, 0)))
             self._exported[pod] = stream.batches
-            for outcome, count in (("replayed", stream.gaps - stream.lost), ("lost", stream.lost)):
+            for outcome, count in (("replayed", stream.gaps_replayed), ("lost", stream.gaps_lost)):
                 key = f"{pod}\x00{outcome}"
                 KV_EVENTS_GAPS.labels(pod, outcome).inc(max(0, count - self._exported.get(key, 0)))
                 self._exported[key] = count

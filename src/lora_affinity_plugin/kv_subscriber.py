@@ -49,6 +49,8 @@ class PodStream:
     """Where one pod's stream stands."""
 
     last_seq: int | None = None
+    first_ts: float | None = None
+    """Batch 0's timestamp, once applied: a live copy of it that comes after a replay is no restart."""
     last_ts: float | None = None
     """The last batch's timestamp, as the engine wrote it (a checkpoint's proof of which server it came from)."""
     partial: bool = True
@@ -56,8 +58,11 @@ class PodStream:
     batches: int = 0
     events: int = 0
     gaps: int = 0
+    """Gaps in the live sequence, each counted once as filled by replay or lost (`gaps_replayed`, `gaps_lost`)."""
+    gaps_replayed: int = 0
+    gaps_lost: int = 0
     lost: int = 0
-    """Gaps the replay socket could not fill (the pod no longer buffered them, or did not answer)."""
+    """Times history could not be had (a gap the pod no longer buffered, or a replay it did not answer)."""
     replayed: int = 0
     restarts: int = 0
     resumed: bool = False
@@ -137,7 +142,7 @@ class KVEventSubscriber:
                     continue
                 quiet_since = time.monotonic()
                 frames = await sub.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) != 3 or len(frames[1]) != 8:
                     stream.bad_payloads += 1
                     continue
                 await self._receive(pod, endpoints, stream, sequence_of(frames[1]), frames[2])
@@ -150,6 +155,9 @@ class KVEventSubscriber:
         if last is not None and seq <= last:
             if seq != 0 and not self._restarted(payload):
                 return  # already applied (from a replay)
+            if seq == 0 and stream.first_ts is not None and _timestamp(payload) == stream.first_ts:
+                return  # this server's first batch again: sent live while a replay brought it
+
             stream.restarts += 1
             logger.info("KV events of %s start over at %d: the server restarted; its blocks are forgotten", pod, seq)
             self.index.clear(pod)
@@ -157,7 +165,12 @@ class KVEventSubscriber:
             last = None
         if last is not None and seq > last + 1:
             stream.gaps += 1
+            lost_before = stream.lost
             await self._replay(pod, endpoints, stream, last + 1, until=seq - 1)
+            if stream.lost > lost_before:
+                stream.gaps_lost += 1
+            else:
+                stream.gaps_replayed += 1
             if stream.last_seq is not None and seq <= stream.last_seq:
                 return
         self._apply(pod, stream, seq, payload)
@@ -191,9 +204,18 @@ class KVEventSubscriber:
         elif stream.last_seq is None and seq == 0:
             stream.partial = False
         self.index.track(pod)
-        self.index.apply(pod, batch)
+        try:
+            self.index.apply(pod, batch)
+        except (TypeError, ValueError, OverflowError) as exc:  # a well-formed batch with values no engine sends
+            stream.bad_payloads += 1
+            if stream.bad_payloads == 1:
+                logger.warning("KV events of %s: batch %d not applicable (%s: %s); the pod's index is partial",
+                               pod, seq, exc.__class__.__name__, exc)
+            stream.partial = True
         stream.last_seq = seq
         stream.last_ts = batch.ts
+        if seq == 0:
+            stream.first_ts = batch.ts
         stream.batches += 1
         stream.events += len(batch.events)
         stream.last_at = time.time()
@@ -260,11 +282,13 @@ class KVEventSubscriber:
                     return True
                 frames = await dealer.recv_multipart()
                 deadline = time.monotonic() + REPLAY_TIMEOUT_S
-                if len(frames) != 3:
+                reply = _replay_reply(frames)
+                if reply is None:
+                    stream.bad_payloads += 1
                     continue
-                seq = sequence_of(frames[1])
+                seq, payload = reply
                 if resume is not None:
-                    if seq != first or _timestamp(frames[2]) != resume.ts:
+                    if seq != first or _timestamp(payload) != resume.ts:
                         return False  # nothing that old buffered (a restart), or another server's batch
                     self._restore(pod, stream, resume)
                     resume, expected = None, seq + 1
@@ -281,13 +305,23 @@ class KVEventSubscriber:
                     continue
                 if joining and seq != 0 and stream.last_seq is None:
                     stream.partial = True
-                self._apply(pod, stream, seq, frames[2])
+                self._apply(pod, stream, seq, payload)
                 stream.replayed += 1
                 expected, progressed = seq + 1, True
                 if until is not None and seq >= until:
                     return True
         finally:
             dealer.close(linger=0)
+
+
+def _replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """A replay answer's (sequence, payload), in either layout vLLM has sent to a DEALER: `(b"", seq, payload)`
+    up to 0.25, `(b"", topic, seq, payload)` since 0.26 (the end mark's topic empty). None: neither."""
+    if len(frames) == 3 and not frames[0] and len(frames[1]) == 8:
+        return sequence_of(frames[1]), frames[2]
+    if len(frames) == 4 and not frames[0] and len(frames[2]) == 8:
+        return sequence_of(frames[2]), frames[3]
+    return None
 
 
 def _timestamp(payload: bytes) -> float | None:

@@ -114,8 +114,8 @@ class KVEventPublisher:
             first = int.from_bytes(start, "big", signed=True)
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    await self._replay.send_multipart((client, b"", sequence_bytes(seq), payload))
-            await self._replay.send_multipart((client, b"", sequence_bytes(-1), b""))
+                    await self._replay.send_multipart((client, b"", self._topic, sequence_bytes(seq), payload))
+            await self._replay.send_multipart((client, b"", b"", sequence_bytes(-1), b""))
 
     def close(self) -> None:
         self._pub.close(linger=0)
