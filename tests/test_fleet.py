@@ -229,3 +229,24 @@ def test_a_fleet_simulated_faster_than_real_time_ends_its_prompts_sooner_on_the_
     assert fleet.route_request("x", "x", messages, {}, ["a"], fast, now=100.25).prefilling == {}
     with pytest.raises(SettingsError, match="engine_time_scale: 0 is not allowed"):  # never divides by zero
         build_settings({"engine_time_scale": 0}, {})
+
+
+def test_a_record_with_numbers_no_server_reports_costs_that_pod_only(caplog):
+    """NaN or out-of-range figures read from Redis leave that pod out; the pods after it are still updated."""
+    import json
+
+    good = {"pod": "p", "scraped_at": 100.0, "metrics": {"num_requests_waiting": 1, "kv_cache_usage": 0.5}}
+    assert PodRecord.from_json(json.dumps(good)).metrics.kv_cache_usage == 0.5
+    for field, value in (("kv_cache_usage", float("nan")), ("kv_cache_usage", 3.0), ("num_requests_waiting", -1),
+                         ("kv_cache_usage", float("inf")), ("num_gpu_blocks", -5)):
+        bad = {**good, "metrics": {**good["metrics"], field: value}}
+        assert PodRecord.from_json(json.dumps(bad)).metrics is None, (field, value)
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0), "b": rec("b", 100.0), "c": rec("c", 100.0)})
+    broken = PodRecord("b", 101.0, PodMetrics(kv_cache_usage=float("nan"), num_gpu_blocks=1000, block_size=16))
+    with caplog.at_level("WARNING"):
+        fleet.update({"a": rec("a", 101.0), "b": broken, "c": rec("c", 101.0, waiting=3)})
+        fleet.update({"a": rec("a", 101.1), "b": broken, "c": rec("c", 101.1, waiting=3)})
+    assert sorted(c.key for c in fleet.candidates(["a", "b", "c"], 101.2)) == ["a", "c"]
+    assert next(c for c in fleet.candidates(["c"], 101.2)).waiting == 3  # the pod after the bad one was updated
+    assert sum("pod b: its record cannot be used" in r.message for r in caplog.records) == 1

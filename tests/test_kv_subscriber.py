@@ -612,3 +612,14 @@ async def test_a_live_copy_of_batch_zero_after_its_replay_is_no_restart_but_a_ne
     assert stream.restarts == 0 and subscriber.index.size("p") == 3
     await subscriber._receive("p", ep, stream, 0, encode_batch(EventBatch(200.0, (AllBlocksCleared(),))))
     assert stream.restarts == 1 and subscriber.index.size("p") == 0
+
+
+def test_a_batch_with_values_no_engine_sends_marks_the_pod_partial_and_the_next_batch_still_applies():
+    subscriber = KVEventSubscriber({"p": EventEndpoints("tcp://127.0.0.1:1")})
+    stream = subscriber.streams["p"]
+    prompt = list(range(BS))
+    subscriber._apply("p", stream, 0, encode_batch(EventBatch(1.0, (stored([1], None, prompt),))))
+    subscriber._apply("p", stream, 1, encode_batch(EventBatch(2.0, (stored([2], 1, [-1] * BS),))))
+    assert stream.bad_payloads == 1 and stream.partial and stream.last_seq == 1
+    subscriber._apply("p", stream, 2, encode_batch(EventBatch(3.0, (stored([3], None, [t + 99 for t in prompt]),))))
+    assert subscriber.index.match("p", keys([t + 99 for t in prompt])) == 1 and stream.last_seq == 2

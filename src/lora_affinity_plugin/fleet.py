@@ -16,6 +16,7 @@ counts for a round trip), and enters a pod's residency memory only once a pod re
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
@@ -32,6 +33,8 @@ from .settings import Settings
 from .store import PodRecord
 from .token_blocks import chain_seed
 from .tokenization import tokenizer_for
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_SLOTS = 4
 
@@ -69,6 +72,8 @@ class FleetView:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._pods: dict[str, _PodState] = {}
+        self._unusable: set[str] = set()
+        """Pods whose last record could not be used (warned once per episode)."""
         self.inflight = InFlight()
         self.peer_counts: dict[str, int] = {}
         self.peer_processes = 0
@@ -102,13 +107,22 @@ class FleetView:
             if state is None:
                 state = self._pods[pod] = _PodState(record=record, base=None)
             state.record = record
-            usable = record.metrics is not None and (
-                record.scraped_at > state.refused_at or now is not None and now - state.refused_at > refusal_s)
-            state.base = self._base_candidate(state) if usable else None
-            if record.metrics is not None:
-                self._size_index(pod, record.metrics.num_gpu_blocks, record.metrics.block_size)
-            state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
-                               lag_s=self.settings.dispatch_lag_ms / 1000)
+            try:
+                usable = record.metrics is not None and (
+                    record.scraped_at > state.refused_at or now is not None and now - state.refused_at > refusal_s)
+                state.base = self._base_candidate(state) if usable else None
+                if record.metrics is not None:
+                    self._size_index(pod, record.metrics.num_gpu_blocks, record.metrics.block_size)
+                state.drop_covered(horizon=record.scraped_at - self.settings.metrics_ttl_ms / 1000,
+                                   lag_s=self.settings.dispatch_lag_ms / 1000)
+            except (ArithmeticError, ValueError, TypeError) as exc:  # a record no scraper of ours writes
+                state.base = None  # costs this pod, never the pods after it or the refresh
+                if pod not in self._unusable:
+                    logger.warning("pod %s: its record cannot be used (%s: %s); left out until a good one",
+                                   pod, exc.__class__.__name__, exc)
+                self._unusable.add(pod)
+            else:
+                self._unusable.discard(pod)
         self._stalest_scrape = min((state.record.scraped_at for state in self._pods.values() if state.base is not None),
                                    default=float("-inf"))
         self._reported = frozenset().union(*(

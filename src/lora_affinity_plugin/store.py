@@ -15,6 +15,7 @@ format 2 on, so proxies on other hosts measure ages without trusting their clock
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
@@ -94,7 +95,9 @@ _COUNTER_FIELDS = frozenset(f.name for f in fields(PodCounters))
 
 def _metrics(body: Any) -> PodMetrics | None:
     """`PodMetrics` from what a record holds: the fields this version knows, each checked for its type
-    (a field another version means differently falls back to its default, never the whole record)."""
+    (a field another version means differently falls back to its default, never the whole record). A number
+    no server reports (not finite, negative, a KV usage past 1) makes the metrics unusable: that pod is left
+    out until a good record comes, where a default would route it as an idle pod."""
     if not isinstance(body, dict):
         return None
     values: dict[str, Any] = {}
@@ -104,21 +107,32 @@ def _metrics(body: Any) -> PodMetrics | None:
         value = body[name]
         if name in _SETS:
             if isinstance(value, list):
-                values[name] = frozenset(str(v) for v in value)
+                values[name] = frozenset(str(v)[:256] for v in value[:1024])
         elif isinstance(default, float):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                values[name] = float(value)
+                if not 0.0 <= value <= _MAX.get(name, math.inf) * 1.01 or not math.isfinite(value):
+                    return None
+                values[name] = min(float(value), _MAX.get(name, math.inf))  # (rounding past 1: 1)
         elif name == "engine":
             if isinstance(value, str):
-                values[name] = value
-        elif isinstance(value, int) and not isinstance(value, bool) or value is None and default is None:
+                values[name] = value[:64]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                return None
+            values[name] = value
+        elif value is None and default is None:
             values[name] = value
     counters = body.get("counters")
     if isinstance(counters, dict):
         known = {k: float(v) for k, v in counters.items()
-                 if k in _COUNTER_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+                 if k in _COUNTER_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and math.isfinite(v) and v >= 0}
         values["counters"] = PodCounters(**known)
     return PodMetrics(**values)
+
+
+_MAX = {"kv_cache_usage": 1.0}
+"""Upper bounds of the float fields that have one."""
 
 
 def _text(value: Any) -> str | None:
