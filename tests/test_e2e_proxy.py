@@ -222,3 +222,6 @@ def test_explain_shows_each_rule_and_the_pick(stack):
     assert data["slowness"] == {pod: 1.0 for pod in data["candidates"]}  # equal pods: nobody slower
     text = _cli(stack, "explain", "--model", "sql-lora", "--criticality", "sheddable")
     assert "pick: " + stack.pod_url(1) in text and "estimated cost" in text and "adapter load" in text
+    predicted = data["predictions"]
+    assert set(predicted) == set(data["candidates"]) and "predicted time to first token" in text
+    assert predicted[stack.pod_url(1)]["adapter_s"] == 0 < predicted[stack.pod_url(0)]["adapter_s"]

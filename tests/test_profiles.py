@@ -76,7 +76,7 @@ def test_a_bad_profile_is_refused_with_its_name_and_step(profiles, fragment):
 
 
 def test_an_unknown_rule_set_names_the_choices_including_your_profiles():
-    with pytest.raises(SettingsError, match="rule_set: 'mine' is not a rule set; choose from: .*sglang-cache-aware, other"):
+    with pytest.raises(SettingsError, match="rule_set: 'mine' is not a rule set; choose from: .*sglang-cache-aware, predicted-ttft, llmd-weights, other"):
         build_settings({"rule_set": "mine", "profiles": {"other": ["pick"]}}, environ={})
     with pytest.raises(SettingsError, match=r"model_group_overrides.batch.*rule_set: 'nope' is not a rule set"):
         build_settings({"model_group_overrides": {"batch": {"rule_set": "nope"}}}, environ={})

@@ -63,6 +63,7 @@ from .scorers import (
     LeastQueue,
     LongestMatch,
     LoraScore,
+    PredictedTtft,
     PrefixScore,
     QueueScore,
     SmallestTree,
@@ -183,12 +184,21 @@ SGLANG_CACHE_AWARE: list[Part] = [
 ]
 """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
 
+PREDICTED_TTFT: list[Part] = [PredictedTtft(), LeastLoad(), PickAgreed("predicted_ttft")]
+"""One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included;
+among equals the least load band, then rendezvous rank, so gateways agree without talking."""
+
+LLMD_WEIGHTS: list[Part] = [Weighted({PrefixScore(): 3.0, KvScore(): 2.0, QueueScore(): 2.0}), Pick("llmd_weights")]
+"""llm-d's current built-in weights: prefix 3, KV use 2, queue 2."""
+
 BUILT_IN: dict[str, Steps] = {
     "lora-affinity": tuple(LORA_AFFINITY),
     "lora-affinity-v1": tuple(LORA_AFFINITY_V1),
     "gie-v0.2": tuple(GIE_V02),
     "llmd-prefix": tuple(LLMD_PREFIX),
     "sglang-cache-aware": tuple(SGLANG_CACHE_AWARE),
+    "predicted-ttft": tuple(PREDICTED_TTFT),
+    "llmd-weights": tuple(LLMD_WEIGHTS),
 }
 
 ProfileSpec = Sequence["str | Mapping[str, float]"]

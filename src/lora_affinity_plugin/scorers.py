@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from .decision import Candidate, DecisionRun, Outcome, Part, Scorer
-from .placement import cost_s, least_band_float, least_band_int
+from .placement import cost_s, least_band_float, least_band_int, tokens_per_block
+from .ttft import predict
 
 
 class LeastLoad(Scorer):
@@ -56,6 +57,23 @@ class LeastCost(Scorer):
         request, settings = run.request, run.settings
         best_match = max(request.prefix_matches.values(), default=0)
         return [cost_s(p, request, settings, best_match) for p in pods]
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        least = min(costs)
+        return max(least + run.settings.cost_band_ms / 1000, least * (1 + run.settings.cost_band_ratio))
+
+
+class PredictedTtft(Scorer):
+    """The predicted time to first token plus the harm to others, in seconds (`ttft.py`); pods within
+    `cost_band_ms` or `cost_band_ratio` of the least are equal."""
+
+    name = "predicted_ttft"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        request = run.request
+        per_block = tokens_per_block(run.settings)
+        best_match = max(request.prefix_matches.values(), default=0)
+        return [predict(p, request, per_block, best_match).total_s for p in pods]
 
     def edge(self, costs: list[float], run: DecisionRun) -> float:
         least = min(costs)

@@ -95,9 +95,10 @@ class Settings(BaseModel):
 
     # Which rule set runs, and our additions to it.
     rule_set: str = "lora-affinity"
-    """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, `lora-affinity-v1` (the
-    previous one), `gie-v0.2` (the endpoint picker's, unchanged), the peers' `llmd-prefix` and
-    `sglang-cache-aware`, kept as references, or one of `profiles`."""
+    """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, `predicted-ttft` (the least
+    predicted time to first token; experimental), `lora-affinity-v1` (the previous one), `gie-v0.2` (the endpoint
+    picker's, unchanged), the peers' `llmd-prefix`, `llmd-weights` and `sglang-cache-aware`, kept as references,
+    or one of `profiles`."""
     profiles: dict[str, list[str | dict[str, float]]] = Field(default_factory=dict)
     """Your own rule sets: each a list of steps, a step being a part's name, a rule set's name (its steps) or a
     `{scorer: weight}` map, e.g. `{mine: [low_queue, {least_load: 1, prefix_score: 2}, pick]}`."""

@@ -372,7 +372,10 @@ PREFIX_STRATEGIES = ["simple-shuffle", "least-busy", "gie-v0.2", "llmd-prefix", 
                      "lora-affinity-noprefix", "lora-affinity-v1", "lora-affinity"]
 EXACT = {"kv_events": True}
 """The default rules on the exact index (the engines' KV events); the oracle reads the engines' caches instead."""
-RULE_SETS = {"gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
+LLMD_WEIGHTS = {**LLMD_PREFIX, "rule_set": "llmd-weights"}
+"""llm-d's current built-in weights (prefix 3 / kv 2 / queue 2)."""
+RULE_SETS = {"predicted-ttft": {"rule_set": "predicted-ttft"}, "llmd-weights": LLMD_WEIGHTS,
+             "gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
              "lora-affinity-exact": EXACT, "exact-state-oracle": EXACT,
              "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE,
              "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1"}}

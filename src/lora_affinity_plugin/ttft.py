@@ -1,0 +1,102 @@
+"""A request's predicted time to first token on each candidate pod: the default decision's one estimate.
+
+Pure, like the rest of the scheduling core: a candidate and a request in, the terms out, in the engine's
+seconds and from each pod's learned rates (`rates.py`; the defaults until enough is seen). A reader can check
+each term by hand (docs/routing.md, "The predicted time to first token"):
+
+- ``adapter``: the adapter's wait. 0 when the pod runs it; the load from CPU or disk when a slot is free; when
+  every slot holds another adapter, vLLM admits the request only once one of them has no request left: about
+  half a generation, the mean time for the running requests to end.
+- ``queue``: the work ahead of it. The prompts still being computed there (`RouteRequest.prefilling`: the long
+  prompts this gateway sent there), the requests the pod reported waiting (each holds admission for
+  its learned seconds per queued request), the requests sent since its scrape (each joins the next prefill step),
+  and half the decode step in flight when the pod is busy.
+- ``room``: the wait for KV-cache room. The uncached tokens it must compute, and the tokens the prompts ahead of
+  it still take, against the tokens the pod's cache had free; a shortfall frees only as running requests end,
+  at about ``used tokens / (decode step x mean output)`` tokens a second.
+- ``prefill``: computing what the pod does not hold, at the pod's learned prefill speed.
+- ``harm``: not part of the wait, but of what the choice costs the fleet, in the same seconds: a new adapter in a
+  batch slows every running request's decode steps; a second copy of a prefix another pod holds evicts about as
+  much of someone else's cached work (`cost.cost_terms`).
+
+The least total wins, within `cost_band_ms` / `cost_band_ratio` (learned rates carry noise); gateways break the
+remaining tie alike by rendezvous rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import ADAPTER_LOAD_S, ADAPTER_STEP_SHARE
+from .decision import Candidate, RouteRequest
+from .podstate import PREFILL_S_PER_TOKEN
+
+
+ROOM_GENERATIONS = 4.0
+"""The room term's bound, in generations: past it the estimate says little but "much later"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One candidate's predicted time to first token, term by term (what `explain` prints)."""
+
+    adapter_s: float
+    queue_s: float
+    room_s: float
+    prefill_s: float
+    harm_s: float
+    uncached_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.adapter_s + self.queue_s + self.room_s + self.prefill_s
+
+    @property
+    def total_s(self) -> float:
+        return self.ttft_s + self.harm_s
+
+    def describe(self) -> str:
+        return (f"{self.total_s:.3f} s = adapter {self.adapter_s:.3f} + queue {self.queue_s:.3f} + room "
+                f"{self.room_s:.3f} + prefill {self.prefill_s:.3f} ({self.uncached_tokens} uncached tokens)"
+                + (f" + harm {self.harm_s:.3f}" if self.harm_s else ""))
+
+
+def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int) -> Prediction:
+    """The request's predicted first token on `p` (the module's docstring says why each term)."""
+    rates = p.rates
+    held = request.prefix_matches.get(p.key, 0)
+    uncached = max(0.0, (request.prefix_blocks - held) * tokens_per_block)
+    generation_s = rates.decode_step_s * rates.mean_output_tokens
+
+    adapter_s = harm_s = 0.0
+    adapter = request.adapter
+    if adapter is not None and adapter not in p.active_adapters:
+        if adapter not in p.resident_adapters:
+            adapter_s = ADAPTER_LOAD_S
+        if not p.has_free_slot():
+            adapter_s += generation_s / 2
+        if p.active_adapters:  # every running request pays the extra share for the rest of its generation
+            harm_s = p.running * ADAPTER_STEP_SHARE * generation_s / 2
+
+    queued = min(p.reported_waiting, p.waiting)
+    computing_s = request.prefilling.get(p.key, 0.0)
+    queue_s = computing_s + queued * rates.queue_s_per_request + (p.waiting - queued) * rates.prefill_s(0)
+    if p.waiting or p.running:
+        queue_s += rates.decode_step_s / 2
+
+    room_s = 0.0
+    free, size = p.kv_free_tokens, p.kv_cache_tokens
+    if free is not None and size:
+        # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
+        # waiting about what a running request holds; then its own uncached tokens.
+        used = max(size - free, 1.0)
+        per_request = used / p.running if p.running else uncached
+        ahead = computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12) + p.waiting * per_request
+        shortfall = uncached + ahead - free
+        if shortfall > 0:
+            room_s = min(ROOM_GENERATIONS, shortfall / used) * generation_s
+
+    best_extra = max(0, best_match - held) * tokens_per_block
+    if best_extra > 0:
+        harm_s += rates.prefill_factor * PREFILL_S_PER_TOKEN * best_extra
+    return Prediction(adapter_s, queue_s, room_s, rates.prefill_s(uncached), harm_s, int(uncached))

@@ -1,0 +1,74 @@
+"""The predicted time to first token (`ttft.py`): each term moves with what it says, and the `predicted-ttft`
+rule set picks the least total, alike on every gateway."""
+
+import random
+
+from lora_affinity_plugin.podstate import PodRates
+from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
+from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.ttft import ROOM_GENERATIONS, predict
+
+RATES = PodRates(prefill_factor=1.0, decode_step_s=0.08, queue_s_per_request=0.5, mean_output_tokens=100,
+                 learned=True)
+GENERATION_S = 0.08 * 100
+TPB = 16.0
+
+
+def pod(key="p", waiting=0, running=4, adapters=("a",), max_lora=2, resident=(), free=None, size=None, rates=RATES):
+    return Candidate(key, waiting, running, 0.5, frozenset(adapters), frozenset(resident), max_lora,
+                     reported_waiting=waiting, rates=rates, kv_free_tokens=free, kv_cache_tokens=size)
+
+
+def test_the_adapters_wait_is_nothing_when_running_a_load_with_a_free_slot_and_half_a_generation_without():
+    request = RouteRequest("b")
+    assert predict(pod(adapters=("b",)), request, TPB, 0).adapter_s == 0
+    with_slot = predict(pod(), request, TPB, 0)
+    resident = predict(pod(resident=("b",)), request, TPB, 0)
+    full = predict(pod(adapters=("a", "c")), request, TPB, 0)
+    assert 0 == resident.adapter_s < with_slot.adapter_s < 0.1
+    assert full.adapter_s == with_slot.adapter_s + GENERATION_S / 2
+    assert with_slot.harm_s > 0  # a second adapter slows the running batch
+
+
+def test_the_queue_counts_reported_waiting_requests_dispatches_since_the_scrape_and_prompts_still_computing():
+    request = RouteRequest(None)
+    idle = predict(pod(running=0), request, TPB, 0).queue_s
+    queued = predict(pod(waiting=4), request, TPB, 0).queue_s
+    assert idle == 0 and queued >= 4 * 0.5
+    sent = pod(waiting=0).with_dispatches(3, set())
+    assert predict(sent, request, TPB, 0).queue_s > predict(pod(), request, TPB, 0).queue_s
+    computing = RouteRequest(None, prefilling={"p": 1.5})
+    assert predict(pod(), computing, TPB, 0).queue_s - predict(pod(), request, TPB, 0).queue_s == 1.5
+
+
+def test_room_is_waited_for_only_when_the_uncached_part_and_the_requests_ahead_do_not_fit():
+    request = RouteRequest(None, prefix_blocks=100)  # 1,600 tokens
+    assert predict(pod(free=5000, size=10_000), request, TPB, 0).room_s == 0
+    short = predict(pod(free=1000, size=10_000), request, TPB, 0).room_s
+    shorter = predict(pod(free=100, size=10_000), request, TPB, 0).room_s
+    assert 0 < short < shorter <= ROOM_GENERATIONS * GENERATION_S
+    held = RouteRequest(None, prefix_blocks=100, prefix_matches={"p": 95})  # only 80 tokens to compute
+    assert predict(pod(free=1000, size=10_000), held, TPB, 95).room_s == 0
+    behind = predict(pod(waiting=3, free=2000, size=10_000), request, TPB, 0).room_s
+    assert behind > 0  # three waiting requests take the room first
+
+
+def test_a_holder_saves_its_prefill_and_a_second_copy_is_harm():
+    request = RouteRequest(None, prefix_blocks=100, prefix_matches={"h": 90})
+    holder = predict(pod("h"), request, TPB, 90)
+    other = predict(pod("o"), request, TPB, 90)
+    assert holder.uncached_tokens == 160 and other.uncached_tokens == 1600
+    assert holder.prefill_s < other.prefill_s and holder.harm_s == 0 < other.harm_s
+    assert holder.total_s < other.total_s
+
+
+def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    busy, roomy = pod("busy", waiting=6), pod("roomy")
+    request = RouteRequest("a", placement_key=12345)
+    assert {choose_pod([busy, roomy], request, settings, random.Random(i)).pod for i in range(20)} == {"roomy"}
+    equals = [pod(f"p{i}") for i in range(4)]
+    picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
+    assert len(picks) == 1  # rendezvous rank on the placement key, not chance
+    decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
+    assert decision.trace[0][0] == "predicted_ttft" and decision.branch == "predicted_ttft"
