@@ -80,3 +80,20 @@ def test_a_paused_leader_cannot_overwrite_newer_data(stack):
         assert data["leader"] == new_holder
         assert all(p["scraper"] == new_holder for p in data["pods"])  # no record from the paused leader
     assert "lost the scraper lease" in leader.log()
+
+
+def test_status_exits_3_for_scripts_once_no_scraper_leads_and_no_record_is_fresh(stack):
+    def exit_code() -> int:
+        return subprocess.run([sys.executable, "-m", "lora_affinity_plugin.cli", "status", "--config",
+                               str(stack["config"])], capture_output=True, text=True, env=child_env(),
+                              timeout=30).returncode
+
+    assert exit_code() == 0
+    for worker in stack["workers"]:
+        worker.popen.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(LEASE_MS / 1000 + 2.5)  # the lease lapses; records pass stale_after_ms (2 s)
+        assert exit_code() == 3
+    finally:
+        for worker in stack["workers"]:
+            worker.popen.send_signal(signal.SIGCONT)

@@ -50,8 +50,9 @@ class Stack:
 
     def status(self) -> dict:
         out = self.cli("status", "--json")
-        assert out.returncode in (0, 4), out.stderr  # 4: Redis unreachable (mid-failover), said on stderr
-        return json.loads(out.stdout) if out.returncode == 0 else {"pods": []}
+        # 3: no leader or no fresh pod yet; 4: Redis unreachable (mid-failover), said on stderr
+        assert out.returncode in (0, 3, 4), out.stderr
+        return json.loads(out.stdout) if out.returncode in (0, 3) else {"pods": []}
 
     def script(self, *states: dict) -> None:
         for port, state in zip(self.pods, states):

@@ -1,6 +1,7 @@
 """The scraper: one record per pod per cycle, bad pods marked alone, one pooled client, Redis down survived."""
 
 import asyncio
+import time
 import json
 
 import fakeredis
@@ -77,11 +78,15 @@ async def test_redis_down_is_survived_and_logged_once(caplog, PODS):
 
     scraper = Scraper(build_settings({}), PODS, Down())
     assert await scraper.scrape_once() == []  # no lease can be taken: nothing to scrape for
-    scraper.leader = True  # a leader that loses Redis keeps scraping and keeps trying to write
+    # A leader that loses Redis keeps scraping and trying to write while its lease could still be held...
+    scraper.leader, scraper.redis_ok_at = True, time.monotonic()
     for _ in range(3):
         records = await scraper.scrape_once()
     assert all(r.ok for r in records) and scraper.cycles == 3
     assert sum("cannot write to Redis" in r.message for r in caplog.records) == 1
+    scraper.redis_ok_at -= scraper.settings.scraper_lease_ms / 1000 + 0.1  # ...and leads no more past it
+    await scraper.scrape_once()  # its write fails once more, past the lease period: it steps down
+    assert not scraper.leader and await scraper.scrape_once() == [] and scraper.cycles == 4
 
 
 async def test_only_the_lease_holder_scrapes_and_a_stale_leader_is_fenced(redis, PODS):

@@ -46,9 +46,9 @@ def _cmd_scrape(args: argparse.Namespace) -> int:
         return 2
 
     if args.metrics_port:
-        from prometheus_client import start_http_server
+        from .scraper_http import serve
 
-        start_http_server(args.metrics_port)
+        serve(scraper, args.metrics_port)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -86,7 +86,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     scrape.add_argument("--config", required=True, help="the proxy's config.yaml (pods come from model_list)")
     scrape.add_argument("--redis-url", help="overrides lora_affinity.redis_url")
     scrape.add_argument("--interval-ms", type=int, help="overrides lora_affinity.scrape_interval_ms")
-    scrape.add_argument("--metrics-port", type=int, help="serve the scraper's Prometheus metrics on this port")
+    scrape.add_argument("--metrics-port", type=int, help="serve the scraper's /metrics, /healthz and /readyz on this port")
     scrape.set_defaults(func=_cmd_scrape)
 
     from .ops import add_ops_arguments

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .decision import Candidate, DecisionRun, Filter
 from .placement import admits_now, fastest, least_band_int, not_far_busier, soonest_start, tokens_per_block
+from .ttft import STICKY_MARGIN_S, predict
 
 
 class LowQueue(Filter):
@@ -182,3 +183,33 @@ class LowCostLora(Filter):
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
         adapter = run.request.adapter
         return [p for p in pods if adapter in p.active_adapters or p.has_free_slot()]
+
+
+class PrefixAffinityTtft(Filter):
+    """The pods holding the prompt's longest cached prefix, while one of them reported no more queue than the
+    shortest plus one, or the best of them would start it no more than `STICKY_MARGIN_S` later than the best
+    other pod (llm-d's prefix-affinity filter, on the predicted time to first token). A second copy of a prefix
+    costs the fleet KV room that no single request's estimate sees, so a holder is left only once it queues."""
+
+    name = "prefix_affinity_ttft"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        request, settings = run.request, run.settings
+        matches = request.prefix_matches
+        if not matches or not settings.prefix_affinity:
+            return pods
+        best = max(matches.get(p.key, 0) for p in pods)
+        if best < settings.prefix_min_blocks:
+            return pods
+        holders = [p for p in pods if matches.get(p.key, 0) == best]
+        if len(holders) == len(pods):
+            return pods
+        queue_edge = min(p.reported_waiting for p in pods) + 1
+        unqueued = [p for p in holders if p.reported_waiting <= queue_edge]
+        if unqueued:
+            return unqueued
+        per_block = tokens_per_block(settings)
+        ttft = {p.key: predict(p, request, per_block, best).ttft_s for p in pods}
+        if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
+            return holders
+        return pods

@@ -234,6 +234,10 @@ def _status_text(rows: list[dict], version: int, settings: Settings, leader: str
     return "\n".join(lines)
 
 
+UNHEALTHY = 3
+"""`status`'s exit code when no scraper holds the lease or no pod's record is fresh (4: Redis unreachable)."""
+
+
 def run_status(args: argparse.Namespace) -> int:
     settings, config, client = _context(args)
     pods = discover_pods(config.get("model_list") or [])
@@ -257,7 +261,7 @@ def run_status(args: argparse.Namespace) -> int:
             time.sleep(args.watch)
             continue
         _print(args, {"settings_version": version, "leader": leader, "proxies_sharing": proxies, "pods": rows}, text)
-        return 0
+        return 0 if leader and any(row["state"] == "fresh" for row in rows) else UNHEALTHY
 
 
 def run_explain(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ from .filters import (
     LoraSoftAffinity,
     LowCostLora,
     LowQueue,
+    PrefixAffinityTtft,
     PrefixMatch,
     Resident,
     Roomy,
@@ -184,7 +185,7 @@ SGLANG_CACHE_AWARE: list[Part] = [
 ]
 """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
 
-PREDICTED_TTFT: list[Part] = [PredictedTtft(), LeastLoad(), PickAgreed("predicted_ttft")]
+PREDICTED_TTFT: list[Part] = [PrefixAffinityTtft(), PredictedTtft(), FewestPrefixes(), LeastLoad(), PickAgreed("predicted_ttft")]
 """One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included;
 among equals the least load band, then rendezvous rank, so gateways agree without talking."""
 

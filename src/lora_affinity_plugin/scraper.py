@@ -113,6 +113,10 @@ class Scraper:
         self.worker = worker_id()
         self.leader = False
         self.holder: str | None = None
+        self.redis_ok_at: float | None = None
+        """When (monotonic) the last lease round trip reached Redis: readiness, and leadership only while writing."""
+        self.written_at: float | None = None
+        """When (monotonic) this worker last wrote its pods' records, as leader."""
         self.cycles = 0
         self._next_models = 0.0
         self.rates = RateTracker()
@@ -316,8 +320,17 @@ class Scraper:
             self.clock.observe(result.redis_time, sent, time.time())
         except Exception as exc:  # redis errors of any kind: keep trying every cycle
             self._redis_down.fail(type(exc).__name__)
+            lapsed = self.redis_ok_at is None or (
+                time.monotonic() - self.redis_ok_at > self.settings.scraper_lease_ms / 1000)
+            if self.leader and lapsed:  # it cannot write, and its lease has lapsed: it leads no more
+                logger.info("lost the scraper lease (Redis unreachable past the lease period)")
+                self.leader, self._adopted = False, False
+                SCRAPER_LEADER.set(0)
             return self.leader
         self._redis_down.recover()
+        self.redis_ok_at = time.monotonic()
+        if records and result.leader:
+            self.written_at = self.redis_ok_at
         if result.leader != self.leader:
             logger.info("%s the scraper lease (%s)", "took" if result.leader else "lost", result.holder)
             self._adopted = False  # a new term: read what the holder before learned

@@ -16,8 +16,9 @@ each term by hand (docs/routing.md, "The predicted time to first token"):
   at about ``used tokens / (decode step x mean output)`` tokens a second.
 - ``prefill``: computing what the pod does not hold, at the pod's learned prefill speed.
 - ``harm``: not part of the wait, but of what the choice costs the fleet, in the same seconds: a new adapter in a
-  batch slows every running request's decode steps; a second copy of a prefix another pod holds evicts about as
-  much of someone else's cached work (`cost.cost_terms`).
+  batch slows every running request's decode steps and takes a LoRA slot another adapter's next request may then
+  wait for (half a generation, times the share of slots already taken); a second copy of a prefix another pod
+  holds evicts about as much of someone else's cached work (`cost.cost_terms`).
 
 The least total wins, within `cost_band_ms` / `cost_band_ratio` (learned rates carry noise); gateways break the
 remaining tie alike by rendezvous rank.
@@ -32,6 +33,8 @@ from .decision import Candidate, RouteRequest
 from .podstate import PREFILL_S_PER_TOKEN
 
 
+STICKY_MARGIN_S = 1.0
+"""How much later than the best other pod the prompt's prefix holders may start it and keep it (`prefix_affinity_ttft`)."""
 ROOM_GENERATIONS = 4.0
 """The room term's bound, in generations: past it the estimate says little but "much later"."""
 
@@ -77,6 +80,8 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
             adapter_s += generation_s / 2
         if p.active_adapters:  # every running request pays the extra share for the rest of its generation
             harm_s = p.running * ADAPTER_STEP_SHARE * generation_s / 2
+            if p.max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
+                harm_s += min(1.0, len(p.active_adapters) / p.max_lora) * generation_s / 2
 
     queued = min(p.reported_waiting, p.waiting)
     computing_s = request.prefilling.get(p.key, 0.0)

@@ -48,13 +48,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pods", type=int, default=256, help="scrape-scale and kv-events: simulated replicas")
     parser.add_argument("--pods-blocks", help="index-memory: PODSxGPU_BLOCKS,... (default 6x700,64x100000)")
     parser.add_argument("--seconds", type=float, default=10.0, help="scrape-scale: how long each variant runs; kv-events: how long the publishers send")
+    parser.add_argument("--variants", type=int, default=None,
+                        help="variants: how many workload variants to draw per family")
+    parser.add_argument("--variant-seed", type=int, default=1, help="variants: the first variant seed drawn")
+    parser.add_argument("--families", help="variants: comma-separated families (default: all)")
     parser.set_defaults(func=run_bench)
 
 
 def _scenario_names() -> list[str]:
     from .scenarios import SCENARIOS
 
-    return ["decisions", "propagation", "parse", "scrape-scale", "soak", "pooling", "host-cost", "index-memory", "kv-events", "slowdown", *SCENARIOS]
+    return ["decisions", "variants", "propagation", "parse", "scrape-scale", "soak", "pooling", "host-cost", "index-memory", "kv-events", "slowdown", *SCENARIOS]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -62,6 +66,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .decisions import run_decisions
 
         return run_decisions(args)
+    if args.scenario == "variants":
+        from .variants import run_variants
+
+        return run_variants(args)
     if args.scenario == "overload":
         from .overload import run_overload
 

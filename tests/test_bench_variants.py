@@ -1,0 +1,47 @@
+"""The workload-variant generator: each family draws the same workload for the same seed and others for other
+seeds, within its stated ranges; a variant is measured at the best reference's knee and a step above, and the
+summary reports the ratio's distribution per family."""
+
+from dataclasses import replace
+
+from lora_affinity_lab.bench import variants
+from lora_affinity_lab.bench.variants import DEFAULTS, FAMILIES, RANGES, REFERENCES, draw, measure, summary
+
+
+def test_every_family_draws_the_same_variant_for_a_seed_and_another_for_another_seed():
+    assert set(FAMILIES) == set(RANGES)
+    for family in FAMILIES:
+        one, again, other = draw(family, 1), draw(family, 1), draw(family, 2)
+        assert one == again and one.scenario != other.scenario, family
+        assert one.start_rate > 0 and one.scenario.open_loop
+
+
+def test_draws_stay_in_their_ranges():
+    for seed in range(1, 30):
+        docs = draw("documents", seed).scenario
+        assert 8 <= docs.groups <= 48 and 1000 <= docs.document_tokens <= 4000 and 4 <= len(docs.adapters) <= 16
+        assert 0.6 <= docs.zipf_s <= 1.4 and 60 <= docs.mean_output_tokens <= 250
+        second = draw("documents-second-client", seed).scenario
+        assert second.background_documents and 0.25 <= second.background_rate <= 1.0
+        scarce = draw("lora-scarce", seed).scenario
+        assert 16 <= len(scarce.adapters) <= 32 and 2 <= scarce.max_loras <= 4 and scarce.chat_share == 0
+        uneven = draw("uneven", seed).scenario
+        assert uneven.profiles.startswith("speed=1;speed=0.")
+        chats = draw("chats", seed).scenario
+        assert 3 <= chats.turns <= 8 and chats.kind == "multi-turn"
+
+
+def test_a_variant_is_measured_at_the_knee_and_a_step_above_against_the_best_reference(monkeypatch):
+    variant = draw("chats", 3)
+    variant = replace(variant, scenario=replace(variant.scenario, duration_s=20.0))
+    monkeypatch.setattr(variants, "REFERENCES", ("least-busy", "llmd-weights"))
+    rows = measure(variant, ["predicted-ttft"], range(1, 2), range(1, 2))
+    assert [r.step for r in rows] == ["knee", "above"] and rows[1].rate > rows[0].rate
+    for row in rows:
+        assert row.best_reference in ("least-busy", "llmd-weights")
+        assert row.p90[row.best_reference] == min(row.p90["least-busy"], row.p90["llmd-weights"])
+        assert row.ratio == row.p90[DEFAULTS] / row.p90[row.best_reference]
+        assert set(row.p90) == {"least-busy", "llmd-weights", DEFAULTS, "predicted-ttft"}
+    lines = summary(rows)
+    assert lines[-1].split()[0] == "all" and int(lines[-1].split()[1]) == 2
+    assert "lora-affinity-v1" in REFERENCES  # the previous defaults are a reference
