@@ -57,6 +57,25 @@ def test_passwords_never_appear_in_errors_or_redacted_urls():
     assert Settings(redis_url="redis://:s3cret@h:1").redacted_redis_url() == "redis://***@h:1"
 
 
+def test_no_password_survives_redaction_whatever_it_holds():
+    """Generated passwords with the characters a URL gives meaning to (? / # @ : & =) in every URL form."""
+    from hypothesis import given, settings as hsettings, strategies as st
+
+    password = st.text(alphabet="abcXYZ019?/#@:&=%+ ", min_size=4, max_size=24).filter(lambda p: p.strip() != "")
+
+    @hsettings(max_examples=300, deadline=None)
+    @given(password=password, user=st.sampled_from(["", "u", "user"]),
+           form=st.sampled_from(["redis://{c}@host:6379/0", "rediss://{c}@host:6380", "unix://{c}@/tmp/r.sock",
+                                 "redis+sentinel://{c}@s1:26379,s2:26379/m/0?sentinel_password={p}",
+                                 "redis+cluster://{c}@r0:6379,r1:6379", "redis://host:6379/0?password={p}"]))
+    def check(password, user, form):
+        secret = "Zq" + password + "Zq"  # a marker no URL part holds by chance
+        url = form.format(c=f"{user}:{secret}", p=secret)
+        assert secret not in redact_url(url), url
+
+    check()
+
+
 def test_model_group_overrides_are_validated_and_applied():
     s = build_settings({"model_group_overrides": {"batch": {"rule_set": "gie-v0.2", "kv_cache_threshold": 0.5}}},
                        environ={})

@@ -71,4 +71,18 @@ def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals
     picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
     assert len(picks) == 1  # rendezvous rank on the placement key, not chance
     decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
-    assert decision.trace[0][0] == "predicted_ttft" and decision.branch == "predicted_ttft"
+    assert [step[0] for step in decision.trace][:2] == ["prefix_affinity_ttft", "predicted_ttft"]
+    assert decision.branch == "predicted_ttft"
+
+
+def test_prefix_holders_keep_the_prompt_until_they_queue_and_start_it_a_margin_later():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    request = RouteRequest(None, prefix_blocks=40, prefix_matches={"holder": 40}, placement_key=7)
+    idle = [pod(f"p{i}", running=1) for i in range(3)]
+    busy_holder = pod("holder", running=8)  # busier, no queue: a second copy of the prefix would cost more
+    assert choose_pod([busy_holder, *idle], request, settings, random.Random(1)).pod == "holder"
+    queued_holder = pod("holder", waiting=12, running=8)  # 12 x 0.5 s of queue ahead: past the margin
+    assert choose_pod([queued_holder, *idle], request, settings, random.Random(1)).pod != "holder"
+    slightly = pod("holder", waiting=2, running=8)  # one more queued than the shortest queue: it keeps the prompt
+    queued_others = [pod(f"p{i}", waiting=1, running=1) for i in range(3)]
+    assert choose_pod([slightly, *queued_others], request, settings, random.Random(1)).pod == "holder"

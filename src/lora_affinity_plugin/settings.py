@@ -276,15 +276,16 @@ def redact_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    masked = ""
+    if "@" in rest:  # up to the last @ is user info: a password may hold ?, / or # (over-masking beats a leak)
+        creds, _, rest = rest.rpartition("@")
+        user = creds.split(":", 1)[0] if ":" in creds else ""
+        masked = f"{user + ':' if user else ''}***@"
     rest, qsep, query = rest.partition("?")
     if query:
         query = "&".join(f"{k}=***" if "password" in k.lower() else f"{k}{eq}{v}"
                          for k, eq, v in (part.partition("=") for part in query.split("&")))
-    if "@" in rest:
-        creds, _, host = rest.rpartition("@")
-        user = creds.split(":", 1)[0] if ":" in creds else ""
-        rest = f"{user + ':' if user else ''}***@{host}"
-    return f"{scheme}://{rest}{qsep}{query}"
+    return f"{scheme}://{masked}{rest}{qsep}{query}"
 
 
 def env_reference(value: Any) -> str | None:
