@@ -6,7 +6,7 @@ import random
 from lora_affinity_plugin.podstate import PodRates
 from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
 from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.ttft import ROOM_GENERATIONS, predict
+from lora_affinity_plugin.ttft import ROOM_GENERATIONS, predict, slots_in_use
 
 RATES = PodRates(prefill_factor=1.0, decode_step_s=0.08, queue_s_per_request=0.5, mean_output_tokens=100,
                  learned=True)
@@ -86,3 +86,40 @@ def test_prefix_holders_keep_the_prompt_until_they_queue_and_start_it_a_margin_l
     slightly = pod("holder", waiting=2, running=8)  # one more queued than the shortest queue: it keeps the prompt
     queued_others = [pod(f"p{i}", waiting=1, running=1) for i in range(3)]
     assert choose_pod([slightly, *queued_others], request, settings, random.Random(1)).pod == "holder"
+
+
+def test_a_large_prompts_holder_without_room_gives_it_to_a_pod_that_starts_it_sooner():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    request = RouteRequest(None, prefix_blocks=50, prefix_matches={"holder": 15}, placement_key=7)  # 3,200 tokens
+    full = pod("holder", running=3, free=500, size=10_000)  # a third of its cache: large there, and no room
+    roomy = [pod(f"p{i}", running=1, free=8000, size=10_000) for i in range(2)]
+    assert choose_pod([full, *roomy], request, settings, random.Random(1)).pod != "holder"
+    with_room = pod("holder", running=3, free=6000, size=10_000)
+    assert choose_pod([with_room, *roomy], request, settings, random.Random(1)).pod == "holder"
+
+
+def test_a_conversations_next_turn_leaves_holders_that_all_queue_but_a_first_turn_stays():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    queued = pod("holder", waiting=6, running=2)
+    idle = [pod(f"p{i}", running=1) for i in range(2)]
+    first = RouteRequest(None, prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7)
+    later = RouteRequest(None, prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7, later_turn=True)
+    assert choose_pod([queued, *idle], first, settings, random.Random(1)).pod == "holder"
+    assert choose_pod([queued, *idle], later, settings, random.Random(1)).pod != "holder"
+
+
+def test_the_adapter_waits_behind_adapters_queued_for_a_slot_and_its_own_batch_skips_their_queue():
+    request = RouteRequest("x")
+    full = predict(pod(adapters=("a", "c")), request, TPB, 0)
+    crowded = predict(pod(adapters=("a", "c", "d", "e")), request, TPB, 0)  # two more already wait for a slot
+    assert crowded.adapter_s - full.adapter_s == GENERATION_S / 2
+    mine = RouteRequest("a")
+    assert predict(pod(waiting=8, adapters=("a", "c", "d", "e")), mine, TPB, 0).queue_s < \
+        predict(pod(waiting=8, adapters=("a", "c")), mine, TPB, 0).queue_s  # the others' requests are skipped
+
+
+def test_a_slot_taken_costs_more_once_most_slots_are_in_use():
+    request = RouteRequest("x")
+    half = pod(adapters=("a",), max_lora=2)
+    assert predict(half, request, TPB, 0, slots_scarce=True).harm_s > predict(half, request, TPB, 0).harm_s
+    assert slots_in_use([pod(adapters=("a", "b")), pod(adapters=())]) == 0.5

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .decision import Candidate, DecisionRun, Filter
-from .placement import admits_now, fastest, least_band_int, not_far_busier, soonest_start, tokens_per_block
+from .placement import (LARGE_PROMPT_SHARE, admits_now, fastest, least_band_int, not_far_busier, soonest_start,
+                        tokens_per_block)
 from .ttft import STICKY_MARGIN_S, predict
 
 
@@ -204,11 +205,13 @@ class PrefixAffinityTtft(Filter):
         holders = [p for p in pods if matches.get(p.key, 0) == best]
         if len(holders) == len(pods):
             return pods
-        queue_edge = min(p.reported_waiting for p in pods) + 1
-        unqueued = [p for p in holders if p.reported_waiting <= queue_edge]
-        if unqueued:
-            return unqueued
         per_block = tokens_per_block(settings)
+        prompt = request.prefix_blocks * per_block
+        small = [p for p in holders if not p.kv_cache_tokens or prompt < LARGE_PROMPT_SHARE * p.kv_cache_tokens]
+        if small:  # a small prompt: its holders keep it while not far busier (a copy costs more than a queue)...
+            kept = not_far_busier(pods, settings, among=small)
+            if kept and not (request.later_turn and all(p.reported_waiting for p in kept)):
+                return kept  # ...unless it is a conversation's next turn and every one of them queues
         ttft = {p.key: predict(p, request, per_block, best).ttft_s for p in pods}
         if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
             return holders

@@ -7,7 +7,7 @@ import math
 
 from .decision import Candidate, DecisionRun, Outcome, Part, Scorer
 from .placement import cost_s, least_band_float, least_band_int, tokens_per_block
-from .ttft import predict
+from .ttft import SCARCE_SLOTS, predict, slots_in_use
 
 
 class LeastLoad(Scorer):
@@ -73,7 +73,8 @@ class PredictedTtft(Scorer):
         request = run.request
         per_block = tokens_per_block(run.settings)
         best_match = max(request.prefix_matches.values(), default=0)
-        return [predict(p, request, per_block, best_match).total_s for p in pods]
+        scarce = request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
+        return [predict(p, request, per_block, best_match, scarce).total_s for p in pods]
 
     def edge(self, costs: list[float], run: DecisionRun) -> float:
         least = min(costs)

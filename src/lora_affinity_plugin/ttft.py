@@ -6,7 +6,8 @@ each term by hand (docs/routing.md, "The predicted time to first token"):
 
 - ``adapter``: the adapter's wait. 0 when the pod runs it; the load from CPU or disk when a slot is free; when
   every slot holds another adapter, vLLM admits the request only once one of them has no request left: about
-  half a generation, the mean time for the running requests to end.
+  half a generation, the mean time for the running requests to end, and as much again for each `max_lora`
+  adapters already waiting there for a slot.
 - ``queue``: the work ahead of it. The prompts still being computed there (`RouteRequest.prefilling`: the long
   prompts this gateway sent there), the requests the pod reported waiting (each holds admission for
   its learned seconds per queued request), the requests sent since its scrape (each joins the next prefill step),
@@ -33,6 +34,8 @@ from .decision import Candidate, RouteRequest
 from .podstate import PREFILL_S_PER_TOKEN
 
 
+SCARCE_SLOTS = 0.75
+"""The share of the candidates' LoRA slots in use past which slots count as scarce (`predict`'s slot term)."""
 STICKY_MARGIN_S = 1.0
 """How much later than the best other pod the prompt's prefix holders may start it and keep it (`prefix_affinity_ttft`)."""
 ROOM_GENERATIONS = 4.0
@@ -64,8 +67,17 @@ class Prediction:
                 + (f" + harm {self.harm_s:.3f}" if self.harm_s else ""))
 
 
-def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int) -> Prediction:
-    """The request's predicted first token on `p` (the module's docstring says why each term)."""
+def slots_in_use(pods: list[Candidate]) -> float:
+    """The share of the pods' LoRA slots their active adapters take (0 when no pod says how many it has)."""
+    slots = sum(p.max_lora or 0 for p in pods)
+    return sum(min(len(p.active_adapters), p.max_lora) for p in pods if p.max_lora) / slots if slots else 0.0
+
+
+def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int,
+            slots_scarce: bool = False) -> Prediction:
+    """The request's predicted first token on `p` (the module's docstring says why each term). `slots_scarce`:
+    most of the fleet's LoRA slots are taken, so every slot taken is one another adapter is likely to wait for
+    (the slot term then grows with the pod's share of slots in use, not its square)."""
     rates = p.rates
     held = request.prefix_matches.get(p.key, 0)
     uncached = max(0.0, (request.prefix_blocks - held) * tokens_per_block)
@@ -76,16 +88,22 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
     if adapter is not None and adapter not in p.active_adapters:
         if adapter not in p.resident_adapters:
             adapter_s = ADAPTER_LOAD_S
-        if not p.has_free_slot():
-            adapter_s += generation_s / 2
+        if not p.has_free_slot():  # after the adapters already waiting for a slot there, max_lora at a time
+            waiting_adapters = max(0, len(p.active_adapters) - p.max_lora)
+            adapter_s += (1 + waiting_adapters / p.max_lora) * generation_s / 2
         if p.active_adapters:  # every running request pays the extra share for the rest of its generation
             harm_s = p.running * ADAPTER_STEP_SHARE * generation_s / 2
             if p.max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
-                harm_s += min(1.0, len(p.active_adapters) / p.max_lora) * generation_s / 2
+                share = min(1.0, len(p.active_adapters) / p.max_lora)
+                harm_s += (share if slots_scarce else share * share) * generation_s / 2
 
     queued = min(p.reported_waiting, p.waiting)
+    if adapter is not None and adapter in p.active_adapters and p.max_lora and len(p.active_adapters) > p.max_lora:
+        # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the queue
+        # is ahead of it (about one adapter's in every distinct adapter there)
+        queued = queued / len(p.active_adapters)
     computing_s = request.prefilling.get(p.key, 0.0)
-    queue_s = computing_s + queued * rates.queue_s_per_request + (p.waiting - queued) * rates.prefill_s(0)
+    queue_s = computing_s + queued * rates.queue_s_per_request + (p.waiting - min(p.reported_waiting, p.waiting)) * rates.prefill_s(0)
     if p.waiting or p.running:
         queue_s += rates.decode_step_s / 2
 
@@ -95,11 +113,12 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
         # waiting about what a running request holds; then its own uncached tokens.
         used = max(size - free, 1.0)
-        per_request = used / p.running if p.running else uncached
+        prompt = request.prefix_blocks * tokens_per_block
+        per_request = max(used / p.running if p.running else 0.0, prompt)
         ahead = computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12) + p.waiting * per_request
         shortfall = uncached + ahead - free
-        if shortfall > 0:
-            room_s = min(ROOM_GENERATIONS, shortfall / used) * generation_s
+        if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
+            room_s = min(ROOM_GENERATIONS, 1.0 + shortfall / used) * generation_s
 
     best_extra = max(0, best_match - held) * tokens_per_block
     if best_extra > 0:
