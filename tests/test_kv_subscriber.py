@@ -623,3 +623,18 @@ def test_a_batch_with_values_no_engine_sends_marks_the_pod_partial_and_the_next_
     assert stream.bad_payloads == 1 and stream.partial and stream.last_seq == 1
     subscriber._apply("p", stream, 2, encode_batch(EventBatch(3.0, (stored([3], None, [t + 99 for t in prompt]),))))
     assert subscriber.index.match("p", keys([t + 99 for t in prompt])) == 1 and stream.last_seq == 2
+
+
+def test_a_pod_whose_figures_do_not_fit_the_change_format_costs_that_pod_and_a_truncated_set_is_refused(caplog):
+    from lora_affinity_plugin.exact_share import PodChange, decode_changes, encode_changes
+
+    changes = {"good": PodChange(False, 16, {1, 2}, set()), "huge": PodChange(False, 70_000, {3}, set())}
+    with caplog.at_level("WARNING"):
+        data = encode_changes(changes)
+        encode_changes(changes)
+    decoded = decode_changes(data)
+    assert set(decoded) == {"good"} and decoded["good"].added == {1, 2}
+    assert sum("does not fit" in r.message for r in caplog.records) == 1
+    for cut in (len(data) - 3, 5):
+        with pytest.raises(ValueError):
+            decode_changes(data[:cut])

@@ -9,14 +9,19 @@ A proxy only ever holds key sets (`HeldBlocks`): no msgpack or ZeroMQ on its sid
 
 from __future__ import annotations
 
+import logging
 import struct
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 FORMAT = b"K1"
+logger = logging.getLogger(__name__)
+
 _POD = struct.Struct("<HBHII")
 """Per pod: name length, flags, block size, keys added, keys removed."""
+_UNFIT: set[str] = set()
+"""Pods already warned of as not fitting the format."""
 _CLEARED, _PARTIAL_GIVEN, _PARTIAL = 1, 2, 4
 """Flags. A reader that knows only `_CLEARED` (an older release) ignores the others: the format stays K1."""
 CHANGE_SETS_PER_REFRESH = 1_000
@@ -51,9 +56,18 @@ def _flags(change: PodChange) -> int:
 
 
 def encode_changes(changes: Mapping[str, PodChange]) -> bytes:
+    """The change set in format K1. A pod whose figures do not fit the format's fields (a block size past 65,535,
+    a name past 65,535 bytes) is left out, with a warning once: it costs that pod's exact figures, never the
+    fleet's change set."""
     out = [FORMAT]
     for pod, change in changes.items():
         name = pod.encode("utf-8", "surrogatepass")
+        if not 0 <= change.block_size <= 0xFFFF or len(name) > 0xFFFF:
+            if pod not in _UNFIT:
+                _UNFIT.add(pod)
+                logger.warning("KV events of %s: block size %s (or its name) does not fit the shared format; its "
+                               "exact figures are not shared", pod[:200], change.block_size)
+            continue
         out.append(_POD.pack(len(name), _flags(change), change.block_size, len(change.added),
                              len(change.removed)))
         out.append(name)
@@ -68,7 +82,10 @@ def decode_changes(data: bytes) -> dict[str, PodChange]:
         raise ValueError("not a K1 change set")
     view, at, out = memoryview(data), len(FORMAT), {}
     while at < len(data):
-        name_len, flags, block_size, n_added, n_removed = _POD.unpack_from(view, at)
+        try:
+            name_len, flags, block_size, n_added, n_removed = _POD.unpack_from(view, at)
+        except struct.error:
+            raise ValueError("truncated change set") from None
         at += _POD.size
         pod = bytes(view[at:at + name_len]).decode("utf-8", "surrogatepass")
         at += name_len

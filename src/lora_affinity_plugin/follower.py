@@ -107,6 +107,7 @@ class Follower:
         """Times read from Redis (scrapes, peers' dispatches, index entries) are on its clock; see `clock.py`."""
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
         self._refresh_failing = Episode(logger, "lora-affinity could not apply a refresh from Redis; the last view stays")
+        self._bad_snapshot = Episode(logger, "the exact KV index snapshot in Redis cannot be read; its pods stay on the inferred index")
 
     async def run(self) -> None:
         client = connect(self.base)
@@ -215,8 +216,14 @@ class Follower:
             self._redis_down.fail(type(exc).__name__)
             return
         if snap:
-            self.fleet.held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
-            self.kv_epoch, self.kv_id = snap[b"e"], snap[b"i"].decode()
+            try:
+                self.fleet.held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
+                self.kv_epoch, self.kv_id = snap[b"e"], snap[b"i"].decode()
+            except (KeyError, ValueError, UnicodeDecodeError) as exc:  # the pods stay on the inferred index
+                self.fleet.held.number = None
+                self._bad_snapshot.fail(f"{type(exc).__name__}: {exc}")
+            else:
+                self._bad_snapshot.recover()
 
     def _follow_exact(self, changes: list) -> None:
         """The scraper's change sets since the last refresh, read in the refresh's round trip."""
