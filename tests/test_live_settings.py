@@ -70,6 +70,15 @@ def test_a_change_is_versioned_and_audited(client):
     assert newest["by"] == "bob" and newest["new"] == {"queue_threshold_critical": 3}
 
 
+def test_a_write_that_changes_nothing_makes_no_version_and_no_audit_entry(client):
+    ls.write(client, BASE, {"kv_cache_threshold": 0.7}, "alice")
+    old, new = ls.write(client, BASE, {"kv_cache_threshold": 0.7}, "bob")
+    assert old is new and new.version == 1 and len(ls.history(client, BASE.key_prefix)) == 1
+    ls.write(client, BASE, ls.live_values(BASE), "carol")  # a reset
+    ls.write(client, BASE, ls.live_values(BASE), "carol")  # and again: nothing to record
+    assert ls.read(client, BASE.key_prefix).version == 2 and len(ls.history(client, BASE.key_prefix)) == 2
+
+
 def test_racing_writers_one_wins_the_other_is_told(client):
     ls.write(client, BASE, {"kv_cache_threshold": 0.7}, "setup")
     ls.write(client, BASE, {"kv_cache_threshold": 0.6}, "alice", if_version=1)

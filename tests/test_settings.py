@@ -171,3 +171,12 @@ def test_a_missing_unreadable_or_malformed_config_file_is_one_line_naming_it(tmp
             assert cli.main([command, "--config", str(path)]) == 2
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and err.startswith("error: ") and said in err and "Traceback" not in err, err
+
+
+def test_an_unknown_setting_is_named_with_the_closest_names_not_a_list_of_all():
+    with pytest.raises(SettingsError) as err:
+        build_settings({"kv_cache_treshold": 0.7}, environ={})
+    assert "kv_cache_treshold: unknown setting; did you mean 'kv_cache_threshold'" in str(err.value)
+    assert "queue_threshold_critical" not in str(err.value)
+    with pytest.raises(SettingsError, match="zzz: unknown setting; `lora-affinity thresholds show`"):
+        build_settings({"zzz": 1}, environ={})

@@ -31,6 +31,7 @@ from .settings import (
     Settings,
     SettingsError,
     describe_validation_error,
+    unknown_setting,
 )
 
 AUDIT_MAXLEN = 1000
@@ -94,7 +95,7 @@ def apply_live(base: Settings, values: dict[str, Any], *, ignore_foreign: bool =
         values = {name: value for name, value in values.items() if name in Settings.model_fields}
     unknown = sorted(set(values) - set(Settings.model_fields))
     if unknown:
-        raise SettingsError(f"{unknown[0]}: unknown setting; allowed names are {', '.join(LIVE_SETTINGS)}")
+        raise SettingsError(unknown_setting(unknown[0], LIVE_SETTINGS))
     fixed = sorted(set(values) & RESTART_ONLY)
     if fixed:
         raise SettingsError(f"{fixed[0]}: cannot change at run time (restart with a new config); "
@@ -155,6 +156,9 @@ def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
             checked = apply_live(base, {**{k: v for k, v in before.items() if k not in carried}, **changes})
             new = LiveCopy(current + 1, {**carried, **live_values(checked)}, time.time(), by)
             changed_from, changed_to = diff(before, new.values)
+            if old is not None and not changed_to:  # nothing changes: no new version, no audit entry
+                pipe.unwatch()
+                return old, old
             pipe.multi()
             pipe.set(key, new.to_json())
             entry = {"version": new.version, "by": by, "at": new.updated_at,

@@ -7,10 +7,11 @@ Validation happens once, here; the rest of the code trusts a `Settings` instance
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import yaml
 from pydantic import (
@@ -358,11 +359,18 @@ def describe_validation_error(exc: ValidationError, raw: dict[str, Any]) -> str:
         elif field == "metrics_bearer_token":
             given = "***"
         if err["type"] == "extra_forbidden":
-            allowed = "one of: " + ", ".join(sorted(Settings.model_fields))
-            lines.append(f"{field}: unknown setting; allowed names are {allowed}")
+            lines.append(unknown_setting(field, Settings.model_fields))
         else:
             lines.append(f"{field}: {given!r} is not allowed: {err['msg']}")
     return "invalid lora_affinity settings: " + "; ".join(lines)
+
+
+def unknown_setting(name: str, allowed: Iterable[str]) -> str:
+    """The error for a name that is no setting: the closest names when some are close, else where to find them."""
+    close = difflib.get_close_matches(name, list(allowed), n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+            else "`lora-affinity thresholds show` and docs/configuration.md list the settings")
+    return f"{name}: unknown setting; {hint}"
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
