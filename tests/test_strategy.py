@@ -157,6 +157,21 @@ async def test_sheddable_request_gets_rate_limit_error_when_saturated(kwargs):
     assert await route(router, "sql-lora") in PODS  # critical is still served
 
 
+async def test_a_shed_request_is_counted_once_however_often_litellm_retries_it():
+    from lora_affinity_plugin.metrics import SHEDS
+
+    router, strat, fleet = make()
+    fleet.update({p: record(p, waiting=50) for p in PODS})
+    counter = SHEDS.labels("sheddable", "*")  # (the wildcard deployments' group)
+    before = counter._value.get()
+    for _ in range(3):  # LiteLLM's retries of one call carry its litellm_call_id
+        with pytest.raises(litellm.RateLimitError):
+            await route(router, "sql-lora", metadata={"criticality": "sheddable"}, litellm_call_id="call-1")
+    with pytest.raises(litellm.RateLimitError):
+        await route(router, "sql-lora", metadata={"criticality": "sheddable"}, litellm_call_id="call-2")
+    assert counter._value.get() - before == 2
+
+
 async def test_sheddable_model_group_from_settings():
     router, strat, fleet = make(sheddable_model_groups=["batch-lora"])
     fleet.update({p: record(p, kv=0.95) for p in PODS})

@@ -58,6 +58,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self._per_group: dict[str, Settings] = {}
         self._tried: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         """Pods already chosen per litellm_call_id (the same across LiteLLM's retries of one request)."""
+        self._shed_calls: OrderedDict[str, None] = OrderedDict()
+        """Calls already counted as shed: LiteLLM retries a 429, and a client sees one."""
         self.follower: Follower | None = None
         self.fleet = fleet or FleetView(settings)
         self.rng = rng or random.Random()
@@ -114,7 +116,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         try:
             deployment = self._choose(model, healthy, request_kwargs, messages)
         except Shed as exc:
-            SHEDS.labels(self._criticality(model, request_kwargs), _group(model, healthy)).inc()
+            if self._first_shed(request_kwargs.get("litellm_call_id")):
+                SHEDS.labels(self._criticality(model, request_kwargs), _group(model, healthy)).inc()
             raise litellm.RateLimitError(message=f"lora-affinity: {exc}", llm_provider="", model=model) from None
         except NoCapacity as exc:
             NO_CAPACITY.labels(self._criticality(model, request_kwargs), _group(model, healthy)).inc()
@@ -131,6 +134,17 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if episode is not None:
             episode.recover()
         return deployment
+
+    def _first_shed(self, call_id: Any) -> bool:
+        """Whether this call's 429 is its first (its retries are the same request to the client)."""
+        if not isinstance(call_id, str):
+            return True
+        if call_id in self._shed_calls:
+            return False
+        self._shed_calls[call_id] = None
+        if len(self._shed_calls) > _TRIED_CALLS:
+            self._shed_calls.popitem(last=False)
+        return True
 
     def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any) -> dict | None:
         pods = self._index.pods_of(healthy)
