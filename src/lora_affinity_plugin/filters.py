@@ -187,10 +187,12 @@ class LowCostLora(Filter):
 
 
 class PrefixAffinityTtft(Filter):
-    """The pods holding the prompt's longest cached prefix, while one of them reported no more queue than the
-    shortest plus one, or the best of them would start it no more than `STICKY_MARGIN_S` later than the best
-    other pod (llm-d's prefix-affinity filter, on the predicted time to first token). A second copy of a prefix
-    costs the fleet KV room that no single request's estimate sees, so a holder is left only once it queues."""
+    """The pods holding the prompt's longest cached prefix keep it. A prompt under `LARGE_PROMPT_SHARE` of a
+    holder's cache stays while they are not far busier than the least busy pod (`not_far_busier`), unless it is a
+    conversation's next turn and each of them reported a queue; a larger one (a document), while the best of them
+    would start it at most `STICKY_MARGIN_S` later than the best other pod (llm-d's prefix-affinity filter, on the
+    predicted time to first token). A second copy of a prefix costs the fleet KV room that no single request's
+    estimate sees; a document's copy is worth it sooner, since few of them fit a cache at once."""
 
     name = "prefix_affinity_ttft"
 

@@ -1,4 +1,4 @@
-"""A request's predicted time to first token on each candidate pod: the default decision's one estimate.
+"""A request's predicted time to first token on each candidate pod: the `predicted-ttft` rule set's one estimate.
 
 Pure, like the rest of the scheduling core: a candidate and a request in, the terms out, in the engine's
 seconds and from each pod's learned rates (`rates.py`; the defaults until enough is seen). A reader can check
@@ -9,16 +9,19 @@ each term by hand (docs/routing.md, "The predicted time to first token"):
   half a generation, the mean time for the running requests to end, and as much again for each `max_lora`
   adapters already waiting there for a slot.
 - ``queue``: the work ahead of it. The prompts still being computed there (`RouteRequest.prefilling`: the long
-  prompts this gateway sent there), the requests the pod reported waiting (each holds admission for
-  its learned seconds per queued request), the requests sent since its scrape (each joins the next prefill step),
+  prompts this gateway sent there), the requests the pod reported waiting (each holds admission for its learned
+  seconds per queued request; only its adapter's share of them when its adapter runs and others wait for a
+  slot, since vLLM admits it past those), the requests sent since its scrape (each joins the next prefill step),
   and half the decode step in flight when the pod is busy.
-- ``room``: the wait for KV-cache room. The uncached tokens it must compute, and the tokens the prompts ahead of
-  it still take, against the tokens the pod's cache had free; a shortfall frees only as running requests end,
-  at about ``used tokens / (decode step x mean output)`` tokens a second.
+- ``room``: the wait for KV-cache room. The uncached tokens it must compute, and the tokens the requests ahead of
+  it take (each waiting one at least this request's prompt), against the tokens the pod's cache had free; a
+  shortfall waits about a generation for the first running request to end, then a generation more for each
+  cache's worth of tokens.
 - ``prefill``: computing what the pod does not hold, at the pod's learned prefill speed.
 - ``harm``: not part of the wait, but of what the choice costs the fleet, in the same seconds: a new adapter in a
   batch slows every running request's decode steps and takes a LoRA slot another adapter's next request may then
-  wait for (half a generation, times the share of slots already taken); a second copy of a prefix another pod
+  wait for (half a generation, times the share of the pod's slots already taken, squared while the fleet's slots
+  are plentiful); a second copy of a prefix another pod
   holds evicts about as much of someone else's cached work (`cost.cost_terms`).
 
 The least total wins, within `cost_band_ms` / `cost_band_ratio` (learned rates carry noise); gateways break the
@@ -103,7 +106,8 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         # is ahead of it (about one adapter's in every distinct adapter there)
         queued = queued / len(p.active_adapters)
     computing_s = request.prefilling.get(p.key, 0.0)
-    queue_s = computing_s + queued * rates.queue_s_per_request + (p.waiting - min(p.reported_waiting, p.waiting)) * rates.prefill_s(0)
+    sent = p.waiting - min(p.reported_waiting, p.waiting)  # sent since the scrape: they join the next prefill step
+    queue_s = computing_s + queued * rates.queue_s_per_request + sent * rates.prefill_s(0)
     if p.waiting or p.running:
         queue_s += rates.decode_step_s / 2
 
@@ -111,7 +115,7 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
     free, size = p.kv_free_tokens, p.kv_cache_tokens
     if free is not None and size:
         # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
-        # waiting about what a running request holds; then its own uncached tokens.
+        # waiting what a running request holds, or at least this prompt; then its own uncached tokens.
         used = max(size - free, 1.0)
         prompt = request.prefix_blocks * tokens_per_block
         per_request = max(used / p.running if p.running else 0.0, prompt)
