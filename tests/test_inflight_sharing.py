@@ -77,3 +77,31 @@ async def test_sharing_can_be_switched_off(share):
         await one.refresh(client)
         await two.refresh(client)
     assert two.fleet.candidates(["a"], now + 0.05)[0].waiting == (1 if share else 0)
+
+
+async def test_the_snapshot_age_grows_while_no_record_can_be_read_whatever_the_cause():
+    """Records read: their age. Then Redis down, or the records expired: the age grows from there, never frozen."""
+    import asyncio
+
+    from lora_affinity_plugin.metrics import REDIS_UP
+
+    client = fakeredis.aioredis.FakeRedis()
+    await publish_records(client, time.time() - 0.5)
+    proxy = follower()
+    await proxy.refresh(client)
+    assert 0.5 <= proxy.snapshot_age_s() < 1.5 and REDIS_UP._value.get() == 1
+    await client.flushall()  # the scraper stopped and the records expired
+    await asyncio.sleep(0.3)
+    await proxy.refresh(client)
+    assert proxy.snapshot_age_s() >= 0.8
+
+    class Down:
+        async def eval(self, *args, **kwargs):
+            raise ConnectionError("Redis is down")
+
+    await asyncio.sleep(0.3)
+    await proxy.refresh(Down())
+    assert proxy.snapshot_age_s() >= 1.1 and REDIS_UP._value.get() == 0
+    await publish_records(client, time.time())
+    await proxy.refresh(client)  # a fresh record again
+    assert proxy.snapshot_age_s() < 0.5 and REDIS_UP._value.get() == 1

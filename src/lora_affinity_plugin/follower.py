@@ -40,6 +40,7 @@ from .live_settings import (
 from .metrics import (
     INFLIGHT,
     INFLIGHT_SWEPT,
+    REDIS_UP,
     SETTINGS_APPLIED,
     SETTINGS_REJECTED,
     SETTINGS_VERSION,
@@ -108,6 +109,10 @@ class Follower:
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
         self._refresh_failing = Episode(logger, "lora-affinity could not apply a refresh from Redis; the last view stays")
         self._bad_snapshot = Episode(logger, "the exact KV index snapshot in Redis cannot be read; its pods stay on the inferred index")
+        self._records_read_at = time.monotonic()
+        self._records_age_s = 0.0
+        """When the last refresh read any pod record, and the oldest one's age then: the snapshot age grows from
+        there while none can be read, whatever the cause."""
 
     async def run(self) -> None:
         client = connect(self.base)
@@ -124,6 +129,7 @@ class Follower:
                     logger.debug("refresh failed", exc_info=True)
                 else:
                     self._refresh_failing.recover()
+                SNAPSHOT_AGE.set(self.snapshot_age_s())
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.settings.scrape_interval_ms / 1000)
                 except asyncio.TimeoutError:
@@ -172,8 +178,10 @@ class Follower:
             raise
         except Exception as exc:
             self._redis_down.fail(type(exc).__name__)
+            REDIS_UP.set(0)
             return
         self._redis_down.recover()
+        REDIS_UP.set(1)
         if raws[0] is not None:
             self._follow_settings(raws[0])
         to_local = self.clock.to_local
@@ -192,7 +200,11 @@ class Follower:
         own = self.process.encode()
         self.peers = [m.decode() for m in members if m != own] if sharing else []
         if records:
-            SNAPSHOT_AGE.set(max(r.age_s() for r in records.values()))
+            self._records_read_at, self._records_age_s = time.monotonic(), max(r.age_s() for r in records.values())
+
+    def snapshot_age_s(self) -> float:
+        """The oldest pod record's age as of the last refresh that read any, plus the time since."""
+        return self._records_age_s + time.monotonic() - self._records_read_at
 
     def _follow_prefixes(self, stream: list) -> None:
         """Peers' new index entries into ours (our own come back too: skipped)."""

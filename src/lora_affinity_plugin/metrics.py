@@ -22,7 +22,10 @@ for _cause in ("no_metrics", "error"):  # exported at 0 from the start: a rate o
     FALLBACKS.labels(_cause)
 DECISION_SECONDS = Histogram("lora_affinity_decision_seconds", "Time to choose a pod (plugin's own part)",
                              buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3))
-SNAPSHOT_AGE = Gauge("lora_affinity_snapshot_age_seconds", "Age of the oldest pod record in the proxy's view")
+SNAPSHOT_AGE = Gauge("lora_affinity_snapshot_age_seconds",
+                     "Age of the oldest pod record in the proxy's view; it grows while no record can be read "
+                     "(Redis down, the scraper stopped, records expired)")
+REDIS_UP = Gauge("lora_affinity_redis_up", "1 while this process's last round trip to Redis succeeded, else 0")
 SETTINGS_VERSION = Gauge("lora_affinity_settings_version", "Version of the live settings in force")
 SETTINGS_APPLIED = Counter("lora_affinity_settings_changes_applied_total", "Live settings versions applied")
 SETTINGS_REJECTED = Counter("lora_affinity_settings_rejected_total", "Live settings versions refused as invalid")

@@ -30,6 +30,7 @@ from .metrics import (
     POD_RUNNING,
     POD_UP,
     POD_WAITING,
+    REDIS_UP,
     SCRAPE_ERRORS,
     SCRAPE_SECONDS,
     SCRAPER_LEADER,
@@ -320,6 +321,7 @@ class Scraper:
             self.clock.observe(result.redis_time, sent, time.time())
         except Exception as exc:  # redis errors of any kind: keep trying every cycle
             self._redis_down.fail(type(exc).__name__)
+            REDIS_UP.set(0)
             lapsed = self.redis_ok_at is None or (
                 time.monotonic() - self.redis_ok_at > self.settings.scraper_lease_ms / 1000)
             if self.leader and lapsed:  # it cannot write, and its lease has lapsed: it leads no more
@@ -328,6 +330,7 @@ class Scraper:
                 SCRAPER_LEADER.set(0)
             return self.leader
         self._redis_down.recover()
+        REDIS_UP.set(1)
         self.redis_ok_at = time.monotonic()
         if records and result.leader:
             self.written_at = self.redis_ok_at
