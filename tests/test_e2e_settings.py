@@ -153,3 +153,16 @@ def test_a_settings_file_is_applied_once_checked_for_drift_and_every_proxy_follo
     assert refused.returncode == 2 and "nothing changed" in refused.stderr
     assert "redis_url" in refused.stderr or "queue_threshold_critical" in refused.stderr
     cli(stack, "reset")
+
+
+def test_enabled_false_hands_every_request_to_litellm_within_a_second_and_true_brings_the_rules_back(stack):
+    """Observed by behaviour: with a threshold every pod is over, the rules shed a sheddable request (429);
+    LiteLLM's own strategy serves it (200)."""
+    cli(stack, "set", "queue_threshold_critical=3")
+    wait_all(stack["ports"], 429)
+    assert cli(stack, "set", "enabled=false", "--by", "test").returncode == 0
+    assert max(wait_all(stack["ports"], 200)) < 1.0
+    assert all(sheddable_status(p) == 200 for p in stack["ports"] for _ in range(3))
+    assert cli(stack, "set", "enabled=true").returncode == 0
+    assert max(wait_all(stack["ports"], 429)) < 1.0
+    cli(stack, "reset")

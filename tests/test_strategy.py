@@ -172,6 +172,19 @@ async def test_a_shed_request_is_counted_once_however_often_litellm_retries_it()
     assert counter._value.get() - before == 2
 
 
+async def test_enabled_false_leaves_every_request_or_one_groups_to_litellm():
+    router, strat, fleet = make(enabled=False)
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    picks = {await route(router, "sql-lora") for _ in range(30)}
+    assert strat.decisions == 0 and len(picks) > 1  # LiteLLM's shuffle, not the adapter's pod
+    router, strat, fleet = make(model_group_overrides={"sql-lora": {"enabled": False}})
+    fleet.update({p: record(p) for p in PODS})
+    await route(router, "sql-lora")
+    assert strat.decisions == 0
+    await route(router, "tweet-summary")  # another group keeps the rules
+    assert strat.decisions == 1
+
+
 async def test_sheddable_model_group_from_settings():
     router, strat, fleet = make(sheddable_model_groups=["batch-lora"])
     fleet.update({p: record(p, kv=0.95) for p in PODS})

@@ -89,7 +89,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                                  request_kwargs if request_kwargs is not None else {})
 
     async def _route(self, model: str, messages, input, specific_deployment, request_kwargs: dict) -> dict:
-        if self.stopped or not self._manages(model):
+        if self.stopped or not self._manages(model) or not self._group_settings(model).enabled:
             return await host_pick(self.router, model, messages, input, specific_deployment, request_kwargs)
         healthy = await healthy_deployments(self.router, model, request_kwargs, messages, input, specific_deployment)
         if isinstance(healthy, dict):
