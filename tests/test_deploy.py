@@ -41,7 +41,7 @@ def test_the_validator_refuses_a_misspelt_field():
 def test_the_layout_the_readme_describes():
     kinds = {(d["kind"], d["metadata"]["name"]) for d in documents()}
     assert {("Deployment", "litellm"), ("Service", "litellm"), ("PodDisruptionBudget", "litellm"),
-            ("ConfigMap", "litellm-config"), ("Deployment", "redis"), ("Service", "redis")} <= kinds
+            ("ConfigMap", "litellm-config"), ("StatefulSet", "redis"), ("Service", "redis")} <= kinds
     proxy = next(d for d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "litellm")
     containers = {c["name"]: c for c in proxy["spec"]["template"]["spec"]["containers"]}
     assert containers["litellm"]["readinessProbe"]["httpGet"]["path"] == "/health/readiness"

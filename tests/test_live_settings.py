@@ -161,3 +161,26 @@ def test_a_settings_file_that_cannot_be_applied_is_named_with_why(tmp_path):
     section = tmp_path / "section.yaml"
     section.write_text("lora_affinity:\n  kv_cache_threshold: 0.7\n")
     assert read_file(str(section)) == {"kv_cache_threshold": 0.7}
+
+
+def test_after_redis_loses_its_data_proxies_follow_the_new_history_from_version_1():
+    """A proxy that applied version 8 skips older versions of the same history, but a copy seeded afresh (a new
+    epoch: Redis restarted without persistence) is applied, with a warning, and its later versions followed."""
+    from lora_affinity_plugin.fleet import FleetView
+    from lora_affinity_plugin.follower import Follower
+
+    applied = []
+    proxy = Follower(BASE, FleetView(BASE), lambda: [], applied.append)
+    old = ls.LiveCopy(8, {**ls.live_values(BASE), "kv_cache_threshold": 0.6}, 1.0, "alice", "history-a")
+    proxy._follow_settings(old.to_json().encode())
+    assert proxy.settings.kv_cache_threshold == 0.6
+    stale = ls.LiveCopy(7, {**ls.live_values(BASE), "kv_cache_threshold": 0.5}, 2.0, "alice", "history-a")
+    proxy._follow_settings(stale.to_json().encode())
+    assert proxy.settings.kv_cache_threshold == 0.6  # the same history's older copy is skipped
+    client = fakeredis.FakeRedis()  # a wiped Redis: seeded, then changed
+    assert ls.seed(client, BASE, "proxy")
+    ls.write(client, BASE, {"kv_cache_threshold": 0.79}, "bob")
+    fresh = client.get(ls.settings_key(BASE.key_prefix))
+    assert ls.LiveCopy.from_json(fresh).version == 2
+    proxy._follow_settings(fresh)
+    assert proxy.settings.kv_cache_threshold == 0.79 and proxy.applied_version == 2 and len(applied) == 2

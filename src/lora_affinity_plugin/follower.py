@@ -34,6 +34,7 @@ from .live_settings import (
     apply_live,
     foreign,
     live_values,
+    new_epoch,
     notify_channel,
     settings_key,
 )
@@ -90,6 +91,7 @@ class Follower:
         self._pods = pods
         self._on_settings = on_settings
         self.applied_version = 0
+        self.applied_epoch = ""
         self._last_raw: bytes | None = None
         self._wake = asyncio.Event()
         self.served_models: frozenset[str] = frozenset()
@@ -144,7 +146,8 @@ class Follower:
         await check_redis_version(client, self.base)
         try:
             await client.set(settings_key(self.base.key_prefix),
-                             LiveCopy(1, live_values(self.base), 0.0, "seeded from config").to_json(), nx=True)
+                             LiveCopy(1, live_values(self.base), 0.0, "seeded from config", new_epoch()).to_json(),
+                             nx=True)
         except Exception as exc:
             self._redis_down.fail(type(exc).__name__)
 
@@ -261,8 +264,13 @@ class Follower:
         self._last_raw = raw
         try:
             copy = LiveCopy.from_json(raw)
-            if copy.version <= self.applied_version:
+            restarted = self.applied_version > 0 and copy.epoch != self.applied_epoch
+            if copy.version <= self.applied_version and not restarted:
                 return
+            if restarted:  # a new history (Redis lost its data and was seeded again): its versions start over
+                logger.warning("live settings start a new history at version %s (epoch %s, was %s at version %s): "
+                               "applied; did Redis lose its data?", copy.version, copy.epoch or "-",
+                               self.applied_epoch or "-", self.applied_version)
             settings = apply_live(self.base, copy.values, ignore_foreign=True)
             newer = foreign(copy.values)
             if newer:  # read once per copy (`_last_raw`): said once
@@ -272,7 +280,7 @@ class Follower:
             SETTINGS_REJECTED.inc()
             logger.error("refused live settings, keeping version %s: %s", self.applied_version, exc)
             return
-        self.applied_version = copy.version
+        self.applied_version, self.applied_epoch = copy.version, copy.epoch
         self.settings = settings
         SETTINGS_VERSION.set(copy.version)
         SETTINGS_APPLIED.inc()

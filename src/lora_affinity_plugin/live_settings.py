@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -59,10 +60,16 @@ class LiveCopy:
     values: dict[str, Any]
     updated_at: float
     by: str
+    epoch: str = ""
+    """Names one history of versions: a copy seeded afresh (Redis lost its data, or a first start) gets a new
+    one, and followers apply its versions from 1 again instead of skipping them as older ("": written before
+    epochs existed)."""
 
     def to_json(self) -> str:
-        return json.dumps({"version": self.version, "values": self.values, "updated_at": self.updated_at,
-                           "by": self.by}, sort_keys=True)
+        body = {"version": self.version, "values": self.values, "updated_at": self.updated_at, "by": self.by}
+        if self.epoch:
+            body["epoch"] = self.epoch
+        return json.dumps(body, sort_keys=True)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> LiveCopy:
@@ -76,7 +83,13 @@ class LiveCopy:
         version = body.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise SettingsError(f"live settings: version {version!r} is not a positive integer")
-        return cls(version, body["values"], float(body.get("updated_at") or 0), str(body.get("by") or "?"))
+        epoch = body.get("epoch")
+        return cls(version, body["values"], float(body.get("updated_at") or 0), str(body.get("by") or "?"),
+                   epoch[:64] if isinstance(epoch, str) else "")
+
+
+def new_epoch() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def live_values(settings: Settings) -> dict[str, Any]:
@@ -131,7 +144,7 @@ def seed(client: redis.Redis, base: Settings, by: str, force: bool = False) -> b
     if force:
         write(client, base, live_values(base), by)
         return True
-    copy = LiveCopy(1, live_values(base), time.time(), by)
+    copy = LiveCopy(1, live_values(base), time.time(), by, new_epoch())
     return bool(client.set(settings_key(base.key_prefix), copy.to_json(), nx=True))
 
 
@@ -154,7 +167,8 @@ def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
             before = old.values if old else live_values(base)
             carried = {k: v for k, v in foreign(before).items() if k not in changes}  # a newer version's names
             checked = apply_live(base, {**{k: v for k, v in before.items() if k not in carried}, **changes})
-            new = LiveCopy(current + 1, {**carried, **live_values(checked)}, time.time(), by)
+            new = LiveCopy(current + 1, {**carried, **live_values(checked)}, time.time(), by,
+                           old.epoch if old and old.epoch else new_epoch())
             changed_from, changed_to = diff(before, new.values)
             if old is not None and not changed_to:  # nothing changes: no new version, no audit entry
                 pipe.unwatch()

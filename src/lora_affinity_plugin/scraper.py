@@ -99,6 +99,7 @@ class Scraper:
         self.base_settings = settings
         self.settings = settings
         self.settings_version = 0
+        self.settings_epoch = ""
         self._rejected: bytes | None = None
         self.pods = list(pods)
         for pod in self.pods:  # at 0 from the start, so an alert's increase() sees the first error too
@@ -347,9 +348,10 @@ class Scraper:
         """Interval, timeouts and TTLs follow `thresholds set` too; invalid values are ignored."""
         try:
             copy = LiveCopy.from_json(raw)
-            if copy.version > self.settings_version:
+            restarted = self.settings_version > 0 and copy.epoch != self.settings_epoch  # Redis seeded afresh
+            if copy.version > self.settings_version or restarted:
                 self.settings = apply_live(self.base_settings, copy.values, ignore_foreign=True)
-                self.settings_version = copy.version
+                self.settings_version, self.settings_epoch = copy.version, copy.epoch
         except SettingsError as exc:
             if raw != self._rejected:
                 self._rejected = raw
