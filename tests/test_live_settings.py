@@ -184,3 +184,34 @@ def test_after_redis_loses_its_data_proxies_follow_the_new_history_from_version_
     assert ls.LiveCopy.from_json(fresh).version == 2
     proxy._follow_settings(fresh)
     assert proxy.settings.kv_cache_threshold == 0.79 and proxy.applied_version == 2 and len(applied) == 2
+
+
+def test_a_rollback_restores_an_earlier_versions_values_as_a_new_version(client):
+    ls.seed(client, BASE, "setup")
+    ls.write(client, BASE, {"kv_cache_threshold": 0.7}, "alice")                      # v2
+    ls.write(client, BASE, {"queue_threshold_critical": 3}, "bob")                    # v3
+    ls.write(client, BASE, {"kv_cache_threshold": 0.6, "spill_queue_margin": 4}, "carol")  # v4
+    current = ls.read(client, BASE.key_prefix)
+    at2 = ls.values_at(client, BASE.key_prefix, current, 2)
+    assert (at2["kv_cache_threshold"], at2["queue_threshold_critical"], at2["spill_queue_margin"]) == (
+        0.7, BASE.queue_threshold_critical, BASE.spill_queue_margin)
+    assert ls.values_at(client, BASE.key_prefix, current, 4) == current.values
+    with pytest.raises(SettingsError, match="version 9 is not between 1 and the current 4"):
+        ls.values_at(client, BASE.key_prefix, current, 9)
+
+
+def test_the_rollback_command_writes_a_version_with_the_old_values_and_says_where_from(tmp_path, capsys,
+                                                                                        monkeypatch):
+    from lora_affinity_plugin import cli, ops
+
+    shared = fakeredis.FakeRedis()
+    ls.seed(shared, BASE, "setup")
+    ls.write(shared, BASE, {"kv_cache_threshold": 0.7}, "alice")
+    ls.write(shared, BASE, {"kv_cache_threshold": 0.5}, "bob")
+    config = tmp_path / "config.yaml"
+    config.write_text("lora_affinity: {}\n")
+    monkeypatch.setattr(ops, "_context", lambda args: (BASE, {}, shared))
+    assert cli.main(["thresholds", "rollback", "2", "--by", "dave", "--config", str(config)]) == 0
+    assert "version 4: kv_cache_threshold 0.5 -> 0.7" in capsys.readouterr().out
+    (entry,) = ls.history(shared, BASE.key_prefix, count=1)
+    assert entry["by"] == "dave" and entry["source"] == "rollback to version 2"

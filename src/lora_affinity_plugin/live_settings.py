@@ -187,6 +187,23 @@ def write(client: redis.Redis, base: Settings, changes: dict[str, Any], by: str,
     return old, new
 
 
+def values_at(client: redis.Redis, prefix: str, current: LiveCopy, version: int) -> dict[str, Any]:
+    """The values as they were at `version` of the current history: the current ones with each later change
+    undone from the audit trail, newest first. SettingsError when the trail does not reach back that far."""
+    if not 1 <= version <= current.version:
+        raise SettingsError(f"rollback: version {version} is not between 1 and the current {current.version}")
+    values = dict(current.values)
+    wanted = set(range(version + 1, current.version + 1))
+    for entry in history(client, prefix, count=AUDIT_MAXLEN):
+        if entry["version"] in wanted:
+            values.update(entry["old"])
+            wanted.discard(entry["version"])
+    if wanted:
+        raise SettingsError(f"rollback: the audit trail no longer holds version {max(wanted)} (it keeps the last "
+                            f"{AUDIT_MAXLEN} changes); nothing changed")
+    return values
+
+
 def diff(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     keys = [k for k in new if old.get(k) != new.get(k)]
     return {k: old.get(k) for k in keys}, {k: new[k] for k in keys}

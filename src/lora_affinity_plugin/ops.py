@@ -1,4 +1,4 @@
-"""Operator commands: `thresholds show|set|apply|history|reset`, `status`, `explain`.
+"""Operator commands: `thresholds show|set|apply|history|reset|rollback`, `status`, `explain`.
 
 All of them find Redis through `--config` (the proxy's config.yaml, whose `lora_affinity:` section and
 LORA_AFFINITY_* environment give the base settings) or `--redis-url`.
@@ -61,6 +61,9 @@ def add_ops_arguments(sub) -> None:
     hist.add_argument("--count", type=int, default=20)
     reset = common(th_sub.add_parser("reset", help="back to the config file's values (a new version)"))
     reset.add_argument("--by")
+    rollback = common(th_sub.add_parser("rollback", help="back to the values of an earlier version (a new version)"))
+    rollback.add_argument("version", type=int, help="the version to return to (`thresholds history` lists them)")
+    rollback.add_argument("--by")
     th.set_defaults(func=run_thresholds)
 
     status = common(sub.add_parser("status", help="what the router sees: pods, metrics age, settings version"))
@@ -117,13 +120,21 @@ def run_thresholds(args: argparse.Namespace) -> int:
             lines = [f"version {data['version']}" + ("" if copy else " (not seeded yet: the config's values)")]
             lines += [f"  {k} = {v}" for k, v in values.items()]
             _print(args, data, "\n".join(lines))
-        elif args.action in ("set", "reset"):
+        elif args.action in ("set", "reset", "rollback"):
             if args.action == "set":
                 changes = live_settings.parse_assignments(args.assignments)
                 live_settings.apply_live(base, changes)  # names and types first, for a clear message
+            elif args.action == "rollback":
+                current = live_settings.read(client, prefix)
+                if current is None:
+                    raise SettingsError("rollback: no live settings in Redis yet")
+                changes = {k: v for k, v in live_settings.values_at(client, prefix, current, args.version).items()
+                           if k in Settings.model_fields}  # (a newer release's names are carried as they are)
+                args.if_version = current.version  # the trail read is this version's: refuse if it moved
             else:
                 changes, args.if_version = live_settings.live_values(base), None
-            old, new = live_settings.write(client, base, changes, _operator(args), args.if_version)
+            source = f"rollback to version {args.version}" if args.action == "rollback" else None
+            old, new = live_settings.write(client, base, changes, _operator(args), args.if_version, source=source)
             diff_old, diff_new = live_settings.diff(old.values if old else live_settings.live_values(base),
                                                     new.values)
             _print(args, {"version": new.version, "old": diff_old, "new": diff_new},
