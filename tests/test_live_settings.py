@@ -215,3 +215,17 @@ def test_the_rollback_command_writes_a_version_with_the_old_values_and_says_wher
     assert "version 4: kv_cache_threshold 0.5 -> 0.7" in capsys.readouterr().out
     (entry,) = ls.history(shared, BASE.key_prefix, count=1)
     assert entry["by"] == "dave" and entry["source"] == "rollback to version 2"
+
+
+def test_show_says_a_hand_written_copy_the_proxies_refuse_is_not_in_force(tmp_path, capsys, monkeypatch):
+    from lora_affinity_plugin import cli, ops
+
+    shared = fakeredis.FakeRedis()
+    bad = ls.LiveCopy(3, {**ls.live_values(BASE), "queue_threshold_critical": -7}, 1.0, "by hand")
+    shared.set(ls.settings_key(BASE.key_prefix), bad.to_json())
+    monkeypatch.setattr(ops, "_context", lambda args: (BASE, {}, shared))
+    config = tmp_path / "config.yaml"
+    config.write_text("lora_affinity: {}\n")
+    assert cli.main(["thresholds", "show", "--config", str(config)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("version 3 REFUSED by every proxy") and "queue_threshold_critical" in first

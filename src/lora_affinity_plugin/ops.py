@@ -118,6 +118,11 @@ def run_thresholds(args: argparse.Namespace) -> int:
             values = copy.values if copy else live_settings.live_values(base)
             data = {**values, "version": copy.version if copy else 0}
             lines = [f"version {data['version']}" + ("" if copy else " (not seeded yet: the config's values)")]
+            try:  # a copy written by hand may hold what proxies refuse: say so, not print it as in force
+                live_settings.apply_live(base, values, ignore_foreign=True)
+            except SettingsError as exc:
+                data["refused"] = str(exc)
+                lines[0] += f" REFUSED by every proxy and scraper ({exc}); they keep the last good version"
             lines += [f"  {k} = {v}" for k, v in values.items()]
             _print(args, data, "\n".join(lines))
         elif args.action in ("set", "reset", "rollback"):
