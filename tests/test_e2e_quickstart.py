@@ -57,6 +57,8 @@ def test_the_readmes_config_and_commands_start_a_proxy_that_routes_and_shows_the
                 break
             assert time.monotonic() < deadline, "the plugin never decided"
             time.sleep(0.5)
+        call_id = reply.headers.get("x-litellm-call-id")
+        assert call_id and f"call {call_id}: sql-lora -> " in proxy.log()  # the decision line names the call
         page = httpx.get(url + "/metrics/", headers=headers, timeout=30)  # the master key, as the README says
         assert page.status_code == 200, page.text[:300]
         assert "lora_affinity_" in page.text

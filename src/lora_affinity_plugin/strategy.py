@@ -167,8 +167,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                                            self._sheddable(model, request_kwargs), model=model, now=now)
         decision = choose_pod(candidates, request, settings, self.rng)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s -> %s (%s) among %s, prefix %d blocks, matches %s", adapter, decision.pod,
-                         decision.branch, [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates],
+            logger.debug("call %s: %s -> %s (%s) among %s, prefix %d blocks, matches %s", call_id, adapter,
+                         decision.pod, decision.branch,
+                         [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates],
                          request.prefix_blocks, request.prefix_matches)
         self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None)
         if request.prefix_hashes:
