@@ -170,3 +170,13 @@ def test_the_rules_command_lists_the_config_s_profiles_and_prints_one_step_by_st
     shown = run_cli(["rules", "kv-first", "--config", str(config)])
     assert shown.splitlines() == ["kv-first:", "  low_queue  [filter]", "  {least_kv: 2, least_load: 1}  [scorer]",
                                   "  pick  [picker]"]
+
+
+def test_weights_must_be_finite_and_non_negative_steps_after_a_picker_are_refused_and_scores_can_be_disabled():
+    for weight in (float("nan"), float("inf"), -1):
+        with pytest.raises(SettingsError, match=r"profiles\.mine\[0\]\.least_load: a finite number at least 0"):
+            build_settings({"rule_set": "mine", "profiles": {"mine": [{"least_load": weight}, "pick"]}}, environ={})
+    for steps, position in ((["pick", "least_load"], 1), (["llmd-prefix", "pick"], 1), (["least_load", "pick", "pick"], 2)):
+        with pytest.raises(SettingsError, match=rf"profiles\.mine\[{position}\]: unreachable"):
+            build_settings({"rule_set": "mine", "profiles": {"mine": steps}}, environ={})
+    build_settings({"disabled_rules": ["scores"]}, environ={})  # what a weighted step declares

@@ -11,6 +11,7 @@ picker, as published), and the peers' prefix-aware policies ``llmd-prefix`` and 
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Mapping, Sequence
 
 from .decision import PARTS, Branch, Candidate, Decision, DecisionRun, Part, Pick, PickAgreed, Scorer, run_steps
@@ -261,14 +262,23 @@ def _build(name: str, specs: Mapping[str, ProfileSpec], built: dict[str, Steps],
                 if not isinstance(part, Scorer):
                     raise ProfileError(f"{where}: {scorer!r} is a {part.kind}; a weighted step takes scorers: "
                                        f"{', '.join(part_names('scorer'))}")
-                if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                    raise ProfileError(f"{where}.{scorer}: a number (the scorer's weight), got {weight!r}")
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+                    raise ProfileError(f"{where}.{scorer}: a finite number at least 0 (the scorer's weight), "
+                                       f"got {weight!r}")
                 weights[part] = float(weight)
             steps.append(Weighted(weights))
         else:
             raise ProfileError(f"{where}: a part's name or a {{scorer: weight}} map, got {step!r}")
+        if _ends(steps) and i < len(spec) - 1:
+            raise ProfileError(f"profiles.{name}[{i + 1}]: unreachable: the steps before it always decide (a picker, or "
+                               f"a rule set that ends with one, comes last)")
     built[name] = tuple(steps)
     return built[name]
+
+
+def _ends(steps: Sequence[Part]) -> bool:
+    """Whether steps always decide: the last one is a picker (a built-in rule set ends with one)."""
+    return bool(steps) and steps[-1].kind == "picker"
 
 
 def _part(name: str, where: str) -> Part:
@@ -293,7 +303,7 @@ def part_names(kinds: str | Sequence[str] | None = None) -> list[str]:
 
 def rule_names() -> set[str]:
     """What `disabled_rules` may name: every filter's and scorer's rule."""
-    return {cls.rule for cls in PARTS.values() if cls.kind in ("filter", "scorer")} | {"dealt"}
+    return {cls.rule for cls in PARTS.values() if cls.kind in ("filter", "scorer")} | {"dealt", Weighted.rule}
 
 
 def describe(steps: Sequence[Part], indent: str = "") -> list[str]:
