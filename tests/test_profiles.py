@@ -180,3 +180,17 @@ def test_weights_must_be_finite_and_non_negative_steps_after_a_picker_are_refuse
         with pytest.raises(SettingsError, match=rf"profiles\.mine\[{position}\]: unreachable"):
             build_settings({"rule_set": "mine", "profiles": {"mine": steps}}, environ={})
     build_settings({"disabled_rules": ["scores"]}, environ={})  # what a weighted step declares
+
+
+def test_filters_that_read_a_survey_find_their_input_alone_in_a_profile_of_the_settings():
+    settings = build_settings({"rule_set": "mine", "profiles": {"mine": ["prefix_match", "pick"],
+                                                                 "adapters": ["adapter_active", "pick"],
+                                                                 "deal": ["dealt", "pick"]}}, environ={})
+    pods = [Candidate(f"p{i}", 0, 1, 0.1, frozenset({"sql"} if i == 2 else ()), max_lora=4) for i in range(3)]
+    held = RouteRequest(None, prefix_blocks=10, prefix_matches={"p1": 10})
+    assert {choose_pod(pods, held, settings, random.Random(i)).pod for i in range(20)} == {"p1"}
+    adapters = settings.model_copy(update={"rule_set": "adapters"})
+    assert {choose_pod(pods, RouteRequest("sql"), adapters, random.Random(i)).pod for i in range(20)} == {"p2"}
+    deal = settings.model_copy(update={"rule_set": "deal"})
+    dealt = RouteRequest("sql", home="p0", gateways=2)
+    assert {choose_pod(pods, dealt, deal, random.Random(i)).pod for i in range(20)} == {"p0"}

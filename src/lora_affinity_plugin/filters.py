@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from .conditions import AdapterSurvey
 from .decision import Candidate, DecisionRun, Filter
 from .placement import (LARGE_PROMPT_SHARE, admits_now, fastest, least_band_int, not_far_busier, soonest_start,
-                        tokens_per_block)
+                        tokens_per_block, warm_pods)
 from .ttft import STICKY_MARGIN_S, predict
 
 
@@ -54,7 +55,8 @@ class PrefixMatch(Filter):
     name = "prefix_match"
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
-        return run.warm
+        # In a profile of the settings nothing asked `prefix_held` first: find the holders here.
+        return run.warm or warm_pods(pods, run.request, run.settings)
 
 
 class AdapterActive(Filter):
@@ -64,6 +66,8 @@ class AdapterActive(Filter):
     name = "adapter_active"
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        if not run.fleet and run.request.adapter is not None:  # no `adapter_survey` before it: survey here
+            AdapterSurvey()(pods, run)
         return run.roomy
 
 
@@ -127,7 +131,8 @@ class Dealt(Filter):
     name = "dealt"
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
-        return run.dealt
+        home = run.request.home  # (no condition before it in a profile of the settings: the dealt pod itself)
+        return run.dealt or [p for p in pods if p.key == home]
 
 
 class Resident(Filter):
