@@ -638,3 +638,20 @@ def test_a_pod_whose_figures_do_not_fit_the_change_format_costs_that_pod_and_a_t
     for cut in (len(data) - 3, 5):
         with pytest.raises(ValueError):
             decode_changes(data[:cut])
+
+
+def test_tokenizing_on_the_request_path_stops_at_prefix_max_chars(tmp_path, monkeypatch):
+    """A 1 MB prompt is tokenized only as far as the inferred index hashes: what is encoded is bounded."""
+    from lora_affinity_plugin.tokenization import PromptTokenizer
+
+    path = tmp_path / "tokenizer.json"
+    _train_tokenizer(path)
+    tokenizer = PromptTokenizer(str(path))
+    encoded: list[int] = []
+    real = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, special: encoded.append(len(text)) or real(text, special))
+    huge = "lorem ipsum dolor sit amet " * 40_000  # about 1 MB, one user message
+    (chat,) = tokenizer.chains(7, [{"role": "user", "content": huge}], BS, max_chars=65_536)
+    assert sum(encoded) <= 65_536 and chat
+    (whole,) = tokenizer.chains(7, [{"role": "user", "content": huge[:65_536]}], BS)
+    assert chat[:-1] == whole[:len(chat) - 1]  # the same blocks, but for the one a token cut may straddle

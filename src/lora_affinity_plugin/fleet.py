@@ -243,7 +243,7 @@ class FleetView:
             size = held.block_size(pod) or 16
             readings = chains.get(size)
             if readings is None:
-                readings = chains[size] = tokenizer.chains(seed, messages, size)
+                readings = chains[size] = tokenizer.chains(seed, messages, size, settings.prefix_max_chars)
             best = 0.0
             for keys in readings:  # (one reading but for a single user message)
                 if keys:

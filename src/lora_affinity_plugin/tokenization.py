@@ -28,6 +28,7 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Generic, Hashable, Mapping, TypeVar
 
+from .prefixes import MAX_MESSAGES
 from .token_blocks import chain_keys
 
 logger = logging.getLogger("lora_affinity")
@@ -56,10 +57,13 @@ class PromptTokenizer:
         self._head_keys: _Recent[tuple[int, str, int], array] = _Recent(CACHED_HEADS, CACHED_HEAD_TOKENS // 2)
         """Recent heads' block keys, per chain seed (adapter, salt) and block size."""
 
-    def chains(self, seed: int, messages: Any, block_size: int) -> list[list[int]]:
+    def chains(self, seed: int, messages: Any, block_size: int, max_chars: int | None = None) -> list[list[int]]:
         """The block keys (`token_blocks`) of the ids the engine may have computed for this request: the chat's,
-        and when it is one user message (perhaps a text completion's prompt), the bare prompt's too."""
-        return [self._keys(seed, head, tail, special, block_size) for head, tail, special in self._parts(messages)]
+        and when it is one user message (perhaps a text completion's prompt), the bare prompt's too. Only the
+        first `max_chars` characters of each reading are tokenized (`prefix_max_chars`, as the inferred index
+        hashes): the request path's work stays bounded whatever a prompt's size."""
+        return [self._keys(seed, head, tail, special, block_size)
+                for head, tail, special in _capped(self._parts(messages), max_chars)]
 
     def candidates(self, messages: Any) -> list[list[int]]:
         """The token ids of those same readings (`chains` without the keys)."""
@@ -67,9 +71,10 @@ class PromptTokenizer:
                 for head, tail, special in self._parts(messages)]
 
     def _parts(self, messages: Any) -> list[tuple[str, str, bool]]:
-        """Each reading as (head, tail, with special tokens)."""
+        """Each reading as (head, tail, with special tokens); a chat of its first `MAX_MESSAGES` messages."""
         if not isinstance(messages, (list, tuple)) or not messages:
             return []
+        messages = messages[:MAX_MESSAGES]
         out = []
         if self._template is not None and all(isinstance(m, dict) for m in messages):
             try:
@@ -108,6 +113,20 @@ class PromptTokenizer:
 
     def encode(self, text: str, special: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=special).ids
+
+
+def _capped(parts: list[tuple[str, str, bool]], max_chars: int | None) -> list[tuple[str, str, bool]]:
+    """Each reading cut to its first `max_chars` characters (a token cut in two at the end costs at most the last
+    block's match)."""
+    if max_chars is None:
+        return parts
+    out = []
+    for head, tail, special in parts:
+        if len(head) >= max_chars:
+            out.append((head[:max_chars], "", special))
+        else:
+            out.append((head, tail[:max_chars - len(head)], special))
+    return out
 
 
 def _split(text: str, first: Any, whole: bool) -> tuple[str, str]:

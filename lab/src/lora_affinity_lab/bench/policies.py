@@ -286,8 +286,8 @@ class SimulatorTokenizer:
     """The simulated engines' tokenization, as a gateway holding their tokenizer would compute it: the chat
     rendered as the simulator renders it, 3 bytes a token."""
 
-    def chains(self, seed: int, messages, block_size: int) -> list[list[int]]:
-        text = prompt_text({"messages": messages})
+    def chains(self, seed: int, messages, block_size: int, max_chars: int | None = None) -> list[list[int]]:
+        text = prompt_text({"messages": messages})[:max_chars]
         return [list(chain_keys(seed, [t for b in ByteTokenizer().block_tokens(text, 1) for t in b], block_size))]
 
 
