@@ -655,3 +655,38 @@ def test_tokenizing_on_the_request_path_stops_at_prefix_max_chars(tmp_path, monk
     assert sum(encoded) <= 65_536 and chat
     (whole,) = tokenizer.chains(7, [{"role": "user", "content": huge[:65_536]}], BS)
     assert chat[:-1] == whole[:len(chat) - 1]  # the same blocks, but for the one a token cut may straddle
+
+
+async def test_a_restart_whose_first_batches_were_missed_is_seen_by_a_newer_batch_with_a_lower_number():
+    subscriber = KVEventSubscriber({"p": EventEndpoints("tcp://127.0.0.1:1")})
+    stream, ep = subscriber.streams["p"], subscriber.endpoints["p"]
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(4)]
+    for seq in range(3):
+        await subscriber._receive("p", ep, stream, seq, encode_batch(EventBatch(100.0 + seq, (stored([seq], None, prompts[seq]),))))
+    await subscriber._receive("p", ep, stream, 1, encode_batch(EventBatch(101.0, (stored([1], None, prompts[1]),))))
+    assert stream.restarts == 0 and subscriber.index.size("p") == 3  # a replayed copy: nothing new
+    # The server restarted; its batch 0 (the clear) never arrived; batch 1 of the new server is newer than 102.
+    await subscriber._receive("p", ep, stream, 1, encode_batch(EventBatch(200.0, (stored([9], None, prompts[3]),))))
+    assert stream.restarts == 1 and stream.partial and subscriber.index.size("p") == 1
+    assert subscriber.index.match("p", keys(prompts[3])) == 1 and subscriber.index.match("p", keys(prompts[0])) == 0
+
+
+async def test_a_follower_that_dies_of_an_error_is_started_again_counted_and_its_pod_marked_partial(monkeypatch):
+    monkeypatch.setattr(kv_subscriber, "FOLLOWER_RESTART_S", 0.05)
+    subscriber = KVEventSubscriber({"p": EventEndpoints("tcp://127.0.0.1:1")})
+    calls = []
+
+    async def failing(pod, endpoints, stop):
+        calls.append(pod)
+        if len(calls) < 3:
+            raise RuntimeError("a bug in following")
+        await stop.wait()
+
+    monkeypatch.setattr(subscriber, "_follow", failing)
+    stop = asyncio.Event()
+    task = asyncio.create_task(subscriber.run(stop))
+    await _until(lambda: len(calls) == 3)
+    stream = subscriber.streams["p"]
+    assert stream.follower_restarts == 2 and stream.partial
+    stop.set()
+    await task

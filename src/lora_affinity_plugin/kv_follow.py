@@ -19,7 +19,7 @@ from .exact_index import ExactIndex
 from .exact_share import changes_key, encode_changes, snapshot_key
 from .kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from .kv_subscriber import EventEndpoints, KVEventSubscriber
-from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS, KV_INDEX_PARTIAL
+from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_DROPPED, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS, KV_INDEX_PARTIAL
 from .pods import deployment_pod
 from .settings import Settings
 
@@ -160,6 +160,10 @@ class KVEventSharing:
             for outcome, count in (("replayed", stream.gaps_replayed), ("lost", stream.gaps_lost)):
                 key = f"{pod}\x00{outcome}"
                 KV_EVENTS_GAPS.labels(pod, outcome).inc(max(0, count - self._exported.get(key, 0)))
+                self._exported[key] = count
+            for kind, count in (("bad", stream.bad_payloads), ("restart", stream.follower_restarts)):
+                key = f"{pod}\x00dropped-{kind}"
+                KV_EVENTS_DROPPED.labels(pod, kind).inc(max(0, count - self._exported.get(key, 0)))
                 self._exported[key] = count
             KV_INDEX_BLOCKS.labels(pod).set(self.subscriber.index.size(pod))
             KV_INDEX_PARTIAL.labels(pod).set(1 if stream.partial else 0)

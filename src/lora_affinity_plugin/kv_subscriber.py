@@ -30,6 +30,8 @@ logger = logging.getLogger("lora_affinity.kv_events")
 
 CATCH_UP_AFTER_S = 1.0
 """A pod silent this long is asked for anything after its last batch (one small request to its replay socket)."""
+FOLLOWER_RESTART_S = 1.0
+"""A pod's follower that ended by an error starts again after this long."""
 REPLAY_TIMEOUT_S = 2.0
 """How long a replay may stay silent before the pod's index is marked partial and the stream followed on. A
 silence, not a total: a long gap replays for as long as batches keep coming, however busy this host is."""
@@ -68,6 +70,8 @@ class PodStream:
     resumed: bool = False
     """Started from a checkpoint the pod's replay proved, not from an empty index."""
     bad_payloads: int = 0
+    follower_restarts: int = 0
+    """Times the pod's follower ended by an error and was started again (`KVEventSubscriber._supervised`)."""
     lag_s: float = 0.0
     """The last batch's age when it was applied (its timestamp against this host's clock: a skew shows here)."""
     last_at: float = field(default=0.0)
@@ -108,13 +112,37 @@ class KVEventSubscriber:
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
-        self._tasks = {pod: asyncio.create_task(self._follow(pod, ep, stop)) for pod, ep in self.endpoints.items()}
+        self._tasks = {pod: asyncio.create_task(self._supervised(pod, ep, stop)) for pod, ep in self.endpoints.items()}
         try:
             await stop.wait()
         finally:
             for task in self._tasks.values():
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _supervised(self, pod: str, endpoints: EventEndpoints, stop: asyncio.Event) -> None:
+        """`_follow`, started again (after a second) whenever it ends by an error of its own: one bad message or
+        bug must not leave a pod's index frozen and still read as exact. Each restart is counted, the pod
+        marked partial, and the first of an episode logged with its traceback."""
+        stream = self.streams[pod]
+        while not stop.is_set():
+            try:
+                await self._follow(pod, endpoints, stop)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                stream.follower_restarts += 1
+                stream.partial = True
+                self._share_partial(pod, stream)
+                if stream.follower_restarts == 1 or stream.follower_restarts % 100 == 0:
+                    logger.warning("KV events of %s: the follower stopped (%s: %s); started again, the pod's index "
+                                   "is partial (restart %d)", pod, type(exc).__name__, exc, stream.follower_restarts,
+                                   exc_info=stream.follower_restarts == 1)
+                try:
+                    await asyncio.wait_for(stop.wait(), FOLLOWER_RESTART_S)
+                except asyncio.TimeoutError:
+                    pass
 
     async def _follow(self, pod: str, endpoints: EventEndpoints, stop: asyncio.Event) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -153,10 +181,14 @@ class KVEventSubscriber:
     async def _receive(self, pod: str, endpoints: EventEndpoints, stream: PodStream, seq: int, payload: bytes) -> None:
         last = stream.last_seq
         if last is not None and seq <= last:
-            if seq != 0 and not self._restarted(payload):
+            ts = _timestamp(payload)
+            later = ts is not None and stream.last_ts is not None and ts > stream.last_ts
+            if seq != 0 and not later and not self._restarted(payload):
                 return  # already applied (from a replay)
-            if seq == 0 and stream.first_ts is not None and _timestamp(payload) == stream.first_ts:
+            if seq == 0 and stream.first_ts is not None and ts == stream.first_ts:
                 return  # this server's first batch again: sent live while a replay brought it
+            # Batch 0, a clear, or a lower number on a batch newer than the last applied: a new server. Its
+            # earlier batches, when this is not its batch 0, are unknown: `_apply` marks the pod partial.
 
             stream.restarts += 1
             logger.info("KV events of %s start over at %d: the server restarted; its blocks are forgotten", pod, seq)

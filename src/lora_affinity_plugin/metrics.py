@@ -52,6 +52,10 @@ KV_EVENTS_BATCHES = Counter("lora_affinity_kv_events_batches_total", "KV-event b
 KV_EVENTS_GAPS = Counter("lora_affinity_kv_events_gaps_total",
                          "Gaps in a pod's event sequence, by outcome: replayed (filled from its replay socket) or lost "
                          "(its index is partial until the pod clears its cache)", ["pod", "outcome"])
+KV_EVENTS_DROPPED = Counter("lora_affinity_kv_events_dropped_total",
+                            "KV-event inputs a pod's follower could not use, by kind: bad (a frame or batch it could not "
+                            "read or apply; the pod's index is partial) or restart (its follower ended by an error and "
+                            "was started again)", ["pod", "kind"])
 KV_INDEX_BLOCKS = Gauge("lora_affinity_kv_index_blocks", "Blocks the exact index holds for the pod", ["pod"])
 KV_INDEX_PARTIAL = Gauge("lora_affinity_kv_index_partial",
                          "1 while the pod's exact index may lack blocks its engine holds (its events joined late or a "
