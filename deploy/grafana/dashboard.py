@@ -71,6 +71,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
      "1 while a pod's exact index may lack blocks its engine holds (the scraper joined it past its replay buffer, "
      "or a gap was lost): the proxies count their inferred index for it too, until the pod clears its cache (a "
      "restart). Many partial pods after a scraper redeploy: its checkpoint was not used (see the scraper's log)."),
+    ("KV events: inputs dropped per pod, and processes that cannot reach Redis", "short",
+     [(f'sum by (pod, kind) (increase(lora_affinity_kv_events_dropped_total{{pod=~"$pod"}}[{RATE}]))',
+       "{{kind}} {{pod}}"),
+      ("count(lora_affinity_redis_up == 0) or vector(0)", "processes without Redis")],
+     "bad: frames or batches a pod's follower could not read or apply (that pod's index is partial); restart: its "
+     "follower ended by an error and was started again. Processes without Redis: proxies and scrapers whose last "
+     "round trip failed (alert LoraAffinityRedisUnreachable)."),
     ("Settings version, per process", "short",
      [("max by (instance) (lora_affinity_settings_version)", "{{instance}}")],
      "Every proxy and scraper should show the same version within a second of a change."),
