@@ -690,3 +690,30 @@ async def test_a_follower_that_dies_of_an_error_is_started_again_counted_and_its
     assert stream.follower_restarts == 2 and stream.partial
     stop.set()
     await task
+
+
+async def test_a_gap_lost_past_the_replay_buffer_forgets_what_it_can_no_longer_vouch_for():
+    """Removals among the lost batches would leave blocks the engine dropped: the index forgets its old blocks,
+    keeps what came after the gap, and is partial (proxies count their inferred index too)."""
+    publisher, replay_task, endpoints = _serving_publisher(5)
+    subscriber = KVEventSubscriber({"p": endpoints})
+    stop = asyncio.Event()
+    follow = asyncio.create_task(subscriber.run(stop))
+    stream = subscriber.streams["p"]
+    try:
+        prompts = [[i * 1000 + t for t in range(BS)] for i in range(60)]
+        seq = await _publish_until_live(publisher, stream, prompts)
+        publisher.dropped_next = 20  # more than its replay buffer keeps
+        for i in range(seq + 1, seq + 21):
+            publisher.publish([stored([10_000 + i], None, prompts[i])])
+        last = seq + 21
+        publisher.publish([stored([10_000 + last], None, prompts[last])])
+        await _until(lambda: stream.last_seq == last)
+        assert (stream.gaps_lost, stream.partial) == (1, True), stream
+        assert subscriber.index.match("p", keys(prompts[0])) == 0  # from before the gap: forgotten
+        assert all(subscriber.index.match("p", keys(prompts[i])) == 1 for i in range(last - 4, last + 1))
+    finally:
+        stop.set()
+        await follow
+        replay_task.cancel()
+        publisher.close()

@@ -207,6 +207,16 @@ class KVEventSubscriber:
                 return
         self._apply(pod, stream, seq, payload)
 
+    def _lose(self, pod: str, stream: PodStream) -> None:
+        """Batches this pod sent are lost for good: the removals among them may be, so its index forgets what it
+        can no longer vouch for (blocks the engine may have dropped), and is partial: proxies count their
+        inferred index for it until the pod clears its cache. An index that claims less is never wrong in
+        the way that sends requests to a cache that no longer holds their prompt."""
+        stream.partial = True
+        stream.lost += 1
+        self.index.clear(pod)
+        self.index.track(pod)
+
     def _share_partial(self, pod: str, stream: PodStream) -> None:
         """The stream's `partial`, onto the index the proxies share (a change only when it flips)."""
         self.index.set_partial(pod, stream.partial)
@@ -284,8 +294,7 @@ class KVEventSubscriber:
         vLLM buffers 10,000 batches. Only a request that brings nothing new ends the replay unfinished."""
         if endpoints.replay is None:
             if not joining and not catch_up:
-                stream.partial = True
-                stream.lost += 1
+                self._lose(pod, stream)
             return resume is None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -309,7 +318,7 @@ class KVEventSubscriber:
                     if not joining:
                         logger.warning("KV events of %s: no replay from %s within %.0f s; the pod's index is partial",
                                        pod, endpoints.replay, REPLAY_TIMEOUT_S)
-                        stream.lost += 1
+                        self._lose(pod, stream)
                     stream.partial = True
                     return True
                 frames = await dealer.recv_multipart()
@@ -331,8 +340,7 @@ class KVEventSubscriber:
                         stream.partial = False  # nothing buffered: it never published, so it stored nothing
                     return True
                 if seq != expected and not (joining and expected == first):
-                    stream.partial = True  # the pod no longer buffers what was missed
-                    stream.lost += 1
+                    self._lose(pod, stream)  # the pod no longer buffers what was missed
                 if stream.last_seq is not None and seq <= stream.last_seq:
                     continue
                 if joining and seq != 0 and stream.last_seq is None:
