@@ -76,7 +76,7 @@ def test_a_bad_profile_is_refused_with_its_name_and_step(profiles, fragment):
 
 
 def test_an_unknown_rule_set_names_the_choices_including_your_profiles():
-    with pytest.raises(SettingsError, match="rule_set: 'mine' is not a rule set; choose from: .*sglang-cache-aware, predicted-ttft, llmd-weights, other"):
+    with pytest.raises(SettingsError, match="rule_set: 'mine' is not a rule set; choose from: .*sglang-cache-aware, predicted-ttft, llmd-weights, llmd-precise, dynamo, other"):
         build_settings({"rule_set": "mine", "profiles": {"other": ["pick"]}}, environ={})
     with pytest.raises(SettingsError, match=r"model_group_overrides.batch.*rule_set: 'nope' is not a rule set"):
         build_settings({"model_group_overrides": {"batch": {"rule_set": "nope"}}}, environ={})
@@ -194,3 +194,15 @@ def test_filters_that_read_a_survey_find_their_input_alone_in_a_profile_of_the_s
     deal = settings.model_copy(update={"rule_set": "deal"})
     dealt = RouteRequest("sql", home="p0", gateways=2)
     assert {choose_pod(pods, dealt, deal, random.Random(i)).pod for i in range(20)} == {"p0"}
+
+
+def test_the_peers_references_llmd_precise_and_dynamo_choose_as_their_formulas_say():
+    from lora_affinity_plugin.settings import build_settings as bs
+
+    pods = [Candidate("holder", 0, 4, 0.9, frozenset(), kv_free_tokens=1_000, kv_cache_tokens=10_000),
+            Candidate("empty", 0, 0, 0.0, frozenset(), kv_free_tokens=10_000, kv_cache_tokens=10_000)]
+    request = RouteRequest(None, prefix_blocks=50, prefix_matches={"holder": 50})
+    # Dynamo: holder 0 blocks to prefill + 9,000 tokens held (140.6 blocks of 64) against 50 + 0: the empty pod
+    assert choose_pod(pods, request, bs({"rule_set": "dynamo"}, environ={}), random.Random(1)).pod == "empty"
+    # llm-d's precise profile: prefix 2 x 1.0 outweighs KV 1 x 0.9 (queues equal): the holder
+    assert choose_pod(pods, request, bs({"rule_set": "llmd-precise"}, environ={}), random.Random(1)).pod == "holder"

@@ -54,6 +54,7 @@ from .filters import (
     SoonestStart,
 )
 from .scorers import (
+    DynamoCost,
     FewestAdapters,
     FewestPrefixes,
     HistoryMatch,
@@ -193,6 +194,12 @@ among equals the least load band, then rendezvous rank, so gateways agree withou
 LLMD_WEIGHTS: list[Part] = [Weighted({PrefixScore(): 3.0, KvScore(): 2.0, QueueScore(): 2.0}), Pick("llmd_weights")]
 """llm-d's current built-in weights: prefix 3, KV use 2, queue 2."""
 
+LLMD_PRECISE: list[Part] = [Weighted({PrefixScore(): 2.0, KvScore(): 1.0, QueueScore(): 1.0}), Pick("llmd_precise")]
+"""llm-d's precise-prefix-cache guide: prefix 2, KV use 1, queue 1 (its prefix scorer fed by the engines' events)."""
+
+DYNAMO: list[Part] = [DynamoCost(), Pick("dynamo")]
+"""Dynamo's KV router: the least prefill plus decode blocks."""
+
 BUILT_IN: dict[str, Steps] = {
     "lora-affinity": tuple(LORA_AFFINITY),
     "lora-affinity-v1": tuple(LORA_AFFINITY_V1),
@@ -201,6 +208,8 @@ BUILT_IN: dict[str, Steps] = {
     "sglang-cache-aware": tuple(SGLANG_CACHE_AWARE),
     "predicted-ttft": tuple(PREDICTED_TTFT),
     "llmd-weights": tuple(LLMD_WEIGHTS),
+    "llmd-precise": tuple(LLMD_PRECISE),
+    "dynamo": tuple(DYNAMO),
 }
 
 ProfileSpec = Sequence["str | Mapping[str, float]"]

@@ -81,6 +81,24 @@ class PredictedTtft(Scorer):
         return max(least + run.settings.cost_band_ms / 1000, least * (1 + run.settings.cost_band_ratio))
 
 
+class DynamoCost(Scorer):
+    """Dynamo's KV router cost (its default weights, temperature 0): the prompt's blocks the pod must prefill plus
+    the blocks its running requests hold in the KV cache (decode load), in blocks of the prefix index."""
+
+    name = "dynamo_cost"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        request = run.request
+        per_block = tokens_per_block(run.settings)
+        out = []
+        for p in pods:
+            uncached = request.prefix_blocks - request.prefix_matches.get(p.key, 0)
+            used = (p.kv_cache_tokens - p.kv_free_tokens) / per_block if p.kv_cache_tokens and p.kv_free_tokens is not None \
+                else p.kv_cache_usage * 100  # (no cache size on the page: its use, in hundredths)
+            out.append(uncached + used)
+        return out
+
+
 class FewestPrefixes(Scorer):
     """A new prefix goes where it evicts least: the caches known to hold the fewest blocks (the "least" band)."""
 

@@ -102,8 +102,8 @@ class Settings(BaseModel):
     rule_set: str = "lora-affinity"
     """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, `predicted-ttft` (the least
     predicted time to first token; experimental), `lora-affinity-v1` (the previous one), `gie-v0.2` (the endpoint
-    picker's, unchanged), the peers' `llmd-prefix`, `llmd-weights` and `sglang-cache-aware`, kept as references,
-    or one of `profiles`."""
+    picker's, unchanged), the peers' `llmd-prefix`, `llmd-weights`, `llmd-precise`, `dynamo` and
+    `sglang-cache-aware`, kept as references, or one of `profiles`."""
     profiles: dict[str, list[str | dict[str, float]]] = Field(default_factory=dict)
     """Your own rule sets: each a list of steps, a step being a part's name, a rule set's name (its steps) or a
     `{scorer: weight}` map, e.g. `{mine: [low_queue, {least_load: 1, prefix_score: 2}, pick]}`."""
