@@ -67,3 +67,32 @@ def test_the_dockerfile_passes_hadolint_and_sets_what_an_air_gapped_proxy_needs(
     assert "FROM ghcr.io/berriai/litellm:" in text
     for env in ("HF_HUB_OFFLINE=1", "LITELLM_LOCAL_MODEL_COST_MAP=True"):
         assert env in text
+
+
+def test_the_layout_is_hardened_scraped_persistent_and_lets_long_generations_finish():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in documents()}
+    proxy = docs["Deployment", "litellm"]["spec"]["template"]
+    pod = proxy["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    for container in pod["containers"]:
+        ctx = container["securityContext"]
+        assert ctx["readOnlyRootFilesystem"] and not ctx["allowPrivilegeEscalation"] and ctx["capabilities"]["drop"] == ["ALL"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "password"}
+        assert env["LORA_AFFINITY_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
+    config = yaml.safe_load(docs["ConfigMap", "litellm-config"]["data"]["config.yaml"])
+    assert pod["terminationGracePeriodSeconds"] > config["litellm_settings"]["request_timeout"]
+    assert "prometheus" in config["litellm_settings"]["callbacks"]
+    assert {c["topologyKey"] for c in pod["topologySpreadConstraints"]} == {"kubernetes.io/hostname",
+                                                                            "topology.kubernetes.io/zone"}
+    assert proxy["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+    redis = docs["StatefulSet", "redis"]["spec"]
+    args = redis["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and "--requirepass" in args
+    assert redis["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+    monitor = yaml.safe_load((DEPLOY / "prometheus" / "servicemonitor.yaml").read_text())
+    ports = {e["port"]: e for e in monitor["spec"]["endpoints"]}
+    service_ports = {p["name"] for p in docs["Service", "litellm"]["spec"]["ports"]}
+    assert set(ports) <= service_ports and ports["http"]["path"] == "/metrics/"
+    assert monitor["spec"]["selector"]["matchLabels"] == docs["Service", "litellm"]["spec"]["selector"]
