@@ -5,7 +5,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 from procs import free_port
 
 from lora_affinity_plugin.scraper import Scraper
