@@ -5,6 +5,7 @@ simulated replica's events, with its own tokenizer or a real `tokenizer.json`, g
 blocks its cache holds."""
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -69,6 +70,23 @@ def _serving_publisher(buffer_steps: int):
     return publisher, asyncio.create_task(publisher.serve_replay()), endpoints
 
 
+@contextlib.asynccontextmanager
+async def _following(buffer_steps: int):
+    """A simulated pod's publisher (its replay buffer `buffer_steps` long) and a subscriber following it:
+    (publisher, subscriber, the pod's stream); everything stopped on the way out."""
+    publisher, replay_task, endpoints = _serving_publisher(buffer_steps)
+    subscriber = KVEventSubscriber({"p": endpoints})
+    stop = asyncio.Event()
+    follow = asyncio.create_task(subscriber.run(stop))
+    try:
+        yield publisher, subscriber, subscriber.streams["p"]
+    finally:
+        stop.set()
+        await follow
+        replay_task.cancel()
+        publisher.close()
+
+
 async def _until(check, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not check():
@@ -93,12 +111,7 @@ async def _publish_until_live(publisher, stream, prompts, between=None) -> int:
 
 
 async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the_pods_blocks():
-    publisher, replay_task, endpoints = _serving_publisher(5000)
-    subscriber = KVEventSubscriber({"p": endpoints})
-    stop = asyncio.Event()
-    follow = asyncio.create_task(subscriber.run(stop))
-    stream = subscriber.streams["p"]
-    try:
+    async with _following(5000) as (publisher, subscriber, stream):
         prompts = [[i * 1000 + t for t in range(BS)] for i in range(1200)]
         seq = await _publish_until_live(publisher, stream, prompts)
         first = seq + 1
@@ -114,11 +127,6 @@ async def test_a_gap_of_a_thousand_batches_is_replayed_and_a_restart_forgets_the
         publisher.publish([stored([30_000], None, prompts[1150])])
         await _until(lambda: stream.restarts == 1 and stream.last_seq == 1)
         assert subscriber.index.size("p") == 1 and subscriber.index.match("p", keys(prompts[1150])) == 1
-    finally:
-        stop.set()
-        await follow
-        replay_task.cancel()
-        publisher.close()
 
 
 async def test_a_slow_replay_is_followed_to_its_end_and_only_a_silent_one_marks_the_pod_partial(monkeypatch):
@@ -695,12 +703,7 @@ async def test_a_follower_that_dies_of_an_error_is_started_again_counted_and_its
 async def test_a_gap_lost_past_the_replay_buffer_forgets_what_it_can_no_longer_vouch_for():
     """Removals among the lost batches would leave blocks the engine dropped: the index forgets its old blocks,
     keeps what came after the gap, and is partial (proxies count their inferred index too)."""
-    publisher, replay_task, endpoints = _serving_publisher(5)
-    subscriber = KVEventSubscriber({"p": endpoints})
-    stop = asyncio.Event()
-    follow = asyncio.create_task(subscriber.run(stop))
-    stream = subscriber.streams["p"]
-    try:
+    async with _following(5) as (publisher, subscriber, stream):
         prompts = [[i * 1000 + t for t in range(BS)] for i in range(60)]
         seq = await _publish_until_live(publisher, stream, prompts)
         publisher.dropped_next = 20  # more than its replay buffer keeps
@@ -712,8 +715,3 @@ async def test_a_gap_lost_past_the_replay_buffer_forgets_what_it_can_no_longer_v
         assert (stream.gaps_lost, stream.partial) == (1, True), stream
         assert subscriber.index.match("p", keys(prompts[0])) == 0  # from before the gap: forgotten
         assert all(subscriber.index.match("p", keys(prompts[i])) == 1 for i in range(last - 4, last + 1))
-    finally:
-        stop.set()
-        await follow
-        replay_task.cancel()
-        publisher.close()
