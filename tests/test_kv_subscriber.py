@@ -715,3 +715,22 @@ async def test_a_gap_lost_past_the_replay_buffer_forgets_what_it_can_no_longer_v
         assert (stream.gaps_lost, stream.partial) == (1, True), stream
         assert subscriber.index.match("p", keys(prompts[0])) == 0  # from before the gap: forgotten
         assert all(subscriber.index.match("p", keys(prompts[i])) == 1 for i in range(last - 4, last + 1))
+
+
+def test_an_index_is_held_to_its_engines_block_count_oldest_first_on_every_pod():
+    """Removals lost for good leave blocks the engine dropped: past the engine's block count (its page's
+    num_gpu_blocks) the blocks stored longest ago are forgotten, on each of 64 pods."""
+    from lora_affinity_plugin.kv_follow import KVEventSharing
+    from lora_affinity_plugin.podstate import PodMetrics
+    from lora_affinity_plugin.store import PodRecord
+
+    sharing = KVEventSharing({f"p{i}": EventEndpoints(f"tcp://127.0.0.1:{i + 1}") for i in range(64)})
+    sharing.subscriber = KVEventSubscriber(sharing.endpoints)
+    index = sharing.subscriber.index
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(150)]
+    for i in range(64):
+        for n in range(150):  # 150 stored, none removed; the engine has 100 blocks
+            index.apply(f"p{i}", EventBatch(float(n), (stored([n], None, prompts[n]),)))
+    sharing.bound([PodRecord(f"p{i}", 0.0, PodMetrics(num_gpu_blocks=100, block_size=BS)) for i in range(64)])
+    assert all(index.size(f"p{i}") == 100 for i in range(64))
+    assert index.match("p7", keys(prompts[10])) == 0 and index.match("p7", keys(prompts[149])) == 1

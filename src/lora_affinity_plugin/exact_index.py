@@ -6,6 +6,7 @@ Pure: the subscriber feeds it batches in sequence order; the rules read `match`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -157,6 +158,18 @@ class ExactIndex:
                 break
             n += 1
         return n
+
+    def bound(self, pod: str, engine_blocks: int) -> int:
+        """Hold at most the `engine_blocks` blocks the pod's engine has (from its page): past that the index
+        claims blocks the engine must have dropped (removals lost for good), so the ones stored longest ago are
+        forgotten first. Returns how many were forgotten."""
+        blocks = self._pods.get(pod)
+        if blocks is None or engine_blocks <= 0 or len(blocks.by_hash) <= engine_blocks:
+            return 0
+        excess = len(blocks.by_hash) - engine_blocks
+        for h in list(itertools.islice(blocks.by_hash, excess)):  # (a dict keeps insertion order: oldest first)
+            self._drop(pod, blocks, blocks.by_hash.pop(h))
+        return excess
 
     def size(self, pod: str) -> int:
         blocks = self._pods.get(pod)

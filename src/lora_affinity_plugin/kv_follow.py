@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from .exact_index import ExactIndex
@@ -22,6 +22,7 @@ from .kv_subscriber import EventEndpoints, KVEventSubscriber
 from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_DROPPED, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS, KV_INDEX_PARTIAL
 from .pods import deployment_pod
 from .settings import Settings
+from .store import PodRecord
 
 logger = logging.getLogger("lora_affinity.kv_events")
 
@@ -167,6 +168,18 @@ class KVEventSharing:
                 self._exported[key] = count
             KV_INDEX_BLOCKS.labels(pod).set(self.subscriber.index.size(pod))
             KV_INDEX_PARTIAL.labels(pod).set(1 if stream.partial else 0)
+
+    def bound(self, records: Iterable[PodRecord]) -> None:
+        """Each followed pod's index held to the blocks its engine has (its page's `num_gpu_blocks`): blocks
+        past that are ones whose removal was lost; forgetting them is counted (`kind="beyond_engine"`)."""
+        if self.subscriber is None:
+            return
+        for record in records:
+            blocks = record.metrics.num_gpu_blocks if record.metrics is not None else None
+            if blocks and record.pod in self.subscriber.streams:
+                forgotten = self.subscriber.index.bound(record.pod, blocks)
+                if forgotten:
+                    KV_EVENTS_DROPPED.labels(record.pod, "beyond_engine").inc(forgotten)
 
     async def share(self, client, prefix: str) -> None:
         """This interval's changes into the stream; every few seconds a snapshot the stream continues from."""

@@ -228,6 +228,7 @@ class Scraper:
         stamped = [replace(r, scraper=self.holder) for r in records]
         await self._lease([(pod_key(self.settings, r.pod), r.to_json()) for r in stamped])
         if self.kv_events is not None:
+            self.kv_events.bound(records)
             await self._share_kv_events()
         SCRAPE_SECONDS.observe(time.perf_counter() - started)
         if self.leader and self.settings.list_served_models and time.monotonic() >= self._next_models:
