@@ -24,7 +24,8 @@ from .scenarios import Scenario, _adapters
 TTFT_TARGET_S = 1.0
 LADDER = 1.3
 """Each rate step of the knee search and the step above the knee: x1.3."""
-REFERENCES = ("simple-shuffle", "least-busy", "llmd-weights", "llmd-prefix", "sglang-cache-aware", "lora-affinity-v1")
+REFERENCES = ("simple-shuffle", "least-busy", "llmd-weights", "llmd-prefix", "llmd-precise", "dynamo",
+              "sglang-cache-aware", "lora-affinity-v1")
 """What the defaults are measured against (the previous defaults among them)."""
 DEFAULTS = "lora-affinity"
 
