@@ -45,6 +45,7 @@ def stack(tmp_path_factory):
         config = proxy_config(pods, redis_port, scrape_interval_ms=100)
         config["litellm_settings"]["callbacks"].insert(0, "prometheus")
         config["litellm_settings"]["require_auth_for_metrics_endpoint"] = False
+        config["litellm_settings"]["json_logs"] = True  # the plugin's lines follow: one JSON object each
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         procs.append(Proc("scraper", CLI + ["scrape", "--config", str(path)], tmp))
@@ -122,6 +123,9 @@ def test_a_bad_hand_written_value_is_refused_and_the_last_good_stays(stack):
     time.sleep(0.6)
     assert all(sheddable_status(p) == 429 for p in stack["ports"])  # still version N's threshold of 3
     assert all("refused live settings" in p.log() for p in stack["proxies"])
+    for proxy in stack["proxies"]:  # LiteLLM logs JSON (`json_logs`), and so does the plugin
+        (line,) = [line for line in proxy.log().splitlines() if "refused live settings" in line][:1]
+        assert json.loads(line)["level"] == "ERROR", line
     cli(stack, "reset")
 
 

@@ -407,3 +407,18 @@ def test_the_sync_path_is_left_to_litellm_and_warns_nothing():
     assert reply.choices[0].message.content == "hi" and strat.decisions == 0
     assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
             and "lora_affinity_plugin" in w.filename] == []
+
+
+def test_the_plugins_log_lines_are_json_while_litellms_are(monkeypatch):
+    import json
+    import logging
+
+    from lora_affinity_plugin.proxy_callback import LogFormatter
+
+    record = logging.LogRecord("lora_affinity", logging.WARNING, __file__, 1, "pod %s is down", ("vllm-0",), None)
+    monkeypatch.setattr(litellm, "json_logs", False, raising=False)
+    monkeypatch.delenv("JSON_LOGS", raising=False)
+    assert LogFormatter().format(record).endswith("lora_affinity WARNING pod vllm-0 is down")
+    monkeypatch.setattr(litellm, "json_logs", True, raising=False)
+    body = json.loads(LogFormatter().format(record))
+    assert body["message"] == "pod vllm-0 is down" and body["level"] == "WARNING" and body["logger"] == "lora_affinity"

@@ -7,13 +7,16 @@ resolves to `proxy_plugin` here). The request path itself is in `strategy.py`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 import weakref
+from datetime import datetime
 from typing import Any, Mapping
 
 import httpx
+import litellm
 from litellm.integrations.custom_logger import CustomLogger
 
 from .compat import models_a_caller_may_call
@@ -28,11 +31,29 @@ from .settings import Settings, SettingsError, load_config, settings_from_config
 from .strategy import LoraAffinityStrategy, install, installed_strategy, logger
 
 
+class LogFormatter(logging.Formatter):
+    """Plain timestamped lines, or one JSON object per record while LiteLLM logs JSON (`json_logs: true` in
+    `litellm_settings`, or `JSON_LOGS`): decided per record, since the proxy applies its settings after the
+    callbacks are built."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (getattr(litellm, "json_logs", False) or os.environ.get("JSON_LOGS", "").lower() in ("1", "true")):
+            return super().format(record)
+        body = {"message": record.getMessage(), "level": record.levelname, "logger": record.name,
+                "timestamp": datetime.fromtimestamp(record.created).isoformat()}
+        if record.exc_info:
+            body["stacktrace"] = self.formatException(record.exc_info)
+        return json.dumps(body, default=str)
+
+
 def _configure_logging() -> None:
-    """Inside the proxy our records get their own timestamped handler (the host's filters by level)."""
+    """Inside the proxy our records get their own handler (the host's filters by level)."""
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        handler.setFormatter(LogFormatter())
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(os.environ.get("LORA_AFFINITY_LOG_LEVEL", "INFO").upper())
