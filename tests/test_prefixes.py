@@ -575,3 +575,15 @@ def test_an_app_s_new_instructions_go_where_they_start_soonest_not_only_to_the_f
     twins = [replace(slow, key="a", **_speeds(1.0)), replace(fast, key="b")]
     chosen = choose_pod(twins, unseen, S, random.Random(1)).pod
     assert choose_pod(twins, replace(unseen, prefilling={chosen: 3.0}), S, random.Random(1)).pod == chosen
+
+
+def test_the_head_cache_keeps_no_caller_chosen_string_past_256_characters():
+    from lora_affinity_plugin.prefixes import _HeadCache
+
+    cache = _HeadCache(size=4)
+    huge_salt = "s" * 1_000_000
+    first = cache.chain("system", "You are a helpful assistant. " * 20, "model", huge_salt, 64)
+    assert cache.chain("system", "You are a helpful assistant. " * 20, "model", huge_salt, 64) is first  # a hit
+    assert cache.chain("system", "You are a helpful assistant. " * 20, "model", huge_salt + "x", 64) != first
+    kept = [part for key in cache._entries for part in key if isinstance(part, str)]
+    assert all(len(part) <= 256 for part in kept)

@@ -107,6 +107,12 @@ def _chain(data: bytes, crc: int, block_chars: int) -> tuple[tuple[int, ...], in
     return hashes, crc, data[full:]
 
 
+def _short(text: str | None) -> str | tuple[int, int] | None:
+    """A key part a caller chooses (a `cache_salt`, a role, a model name), held as its length and hash past 256
+    characters: the cache's memory stays bounded whatever a request carries."""
+    return text if text is None or len(text) <= 256 else (len(text), hash(text))
+
+
 class _HeadCache:
     """Chains of recent first messages (system prompts repeat; their questions do not).
 
@@ -122,7 +128,7 @@ class _HeadCache:
 
     def chain(self, role: str, content: str, scope: str, salt: str | None, block_chars: int
               ) -> tuple[tuple[int, ...], int, bytes]:
-        key = (scope, salt, block_chars, role, len(content), hash(content))
+        key = (_short(scope), _short(salt), block_chars, _short(role), len(content), hash(content))
         entry = self._entries.get(key)
         if entry is None:
             data = (role + _ROLE_END + content + _MESSAGE_END).encode("utf-8", "surrogatepass")
