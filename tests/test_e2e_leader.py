@@ -94,6 +94,8 @@ def test_status_exits_3_for_scripts_once_no_scraper_leads_and_no_record_is_fresh
     try:
         time.sleep(LEASE_MS / 1000 + 2.5)  # the lease lapses; records pass stale_after_ms (2 s)
         assert exit_code() == 3
+        stack["redis"].flushdb()  # the records expired too: nobody looked at the pods, nobody says they are down
+        assert {p["state"] for p in status(stack)["pods"]} == {"unknown"}
     finally:
         for worker in stack["workers"]:
             worker.popen.send_signal(signal.SIGCONT)

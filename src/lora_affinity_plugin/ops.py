@@ -211,11 +211,16 @@ def _records(client: redis.Redis, settings: Settings, pods: list[str]) -> dict[s
     return {p: records.get(p) for p in pods}
 
 
-def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: float) -> list[dict]:
+def status_rows(settings: Settings, records: dict[str, PodRecord | None], now: float,
+                leader: str | None = "?") -> list[dict]:
+    """Each pod's row; `leader` None (no scraper holds the lease): a pod without a record is `unknown`, not down,
+    since nothing has looked at it."""
     rows = []
     for pod, record in records.items():
         if record is None:
-            rows.append({"pod": pod, "state": "down", "error": "no record (never scraped, or expired)"})
+            rows.append({"pod": pod, "state": "unknown", "error": "no record: no scraper holds the lease"}
+                        if leader is None else
+                        {"pod": pod, "state": "down", "error": "no record (never scraped, or expired)"})
             continue
         age = record.age_s(now)
         m = record.metrics
@@ -260,7 +265,9 @@ def run_status(args: argparse.Namespace) -> int:
     while True:
         try:
             copy = live_settings.read(client, settings.key_prefix)
-            rows = status_rows(settings, _records(client, settings, pods), redis_now(client, settings))
+            holder = client.get(lease_key(settings.key_prefix))
+            leader = holder.decode() if holder else None
+            rows = status_rows(settings, _records(client, settings, pods), redis_now(client, settings), leader)
             proxies, inflight, index_sizes = read_shared_tables(client, settings.key_prefix)
         except redis.RedisError as exc:
             print(f"error: Redis at {settings.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
@@ -269,8 +276,6 @@ def run_status(args: argparse.Namespace) -> int:
             row["inflight"] = inflight.get(row["pod"], 0)
             row["prefix_blocks"] = index_sizes.get(row["pod"], 0)
         version = copy.version if copy else 0
-        holder = client.get(lease_key(settings.key_prefix))
-        leader = holder.decode() if holder else None
         text = _status_text(rows, version, settings, leader, proxies)
         if args.watch:
             print("\033[2J\033[H" + text, flush=True)
