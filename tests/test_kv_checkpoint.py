@@ -216,3 +216,23 @@ async def test_a_damaged_checkpoint_or_redis_down_joins_the_pod_afresh(caplog):
     finally:
         replay_task.cancel()
         publisher.close()
+
+
+async def test_kv_change_sets_and_snapshots_are_written_only_by_the_lease_holder():
+    import fakeredis
+
+    from lora_affinity_plugin.lease import fenced_write, lease_key
+
+    client = fakeredis.aioredis.FakeRedis()
+    await client.set(lease_key("lora_affinity"), "new-worker#7")
+    stale = await fenced_write(client, "lora_affinity", "old-worker#6", "xadd", "{lora_affinity}:kv:changes",
+                               {"e": "x", "n": 1, "c": b"\x00\x01"}, maxlen=100)
+    assert stale is None and await client.xlen("{lora_affinity}:kv:changes") == 0
+    written = await fenced_write(client, "lora_affinity", "new-worker#7", "xadd", "{lora_affinity}:kv:changes",
+                                 {"e": "x", "n": 1, "c": b"\x00\x01"}, maxlen=100)
+    assert written and await client.xlen("{lora_affinity}:kv:changes") == 1
+    assert await fenced_write(client, "lora_affinity", "old-worker#6", "hset", "{lora_affinity}:kv:snapshot",
+                              {"n": 1}) is None
+    assert await fenced_write(client, "lora_affinity", "new-worker#7", "hset", "{lora_affinity}:kv:snapshot",
+                              {"n": 1, "c": b"\xff"}) is not None
+    assert await client.hget("{lora_affinity}:kv:snapshot", "c") == b"\xff"

@@ -19,6 +19,7 @@ from .exact_index import ExactIndex
 from .exact_share import changes_key, encode_changes, snapshot_key
 from .kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from .kv_subscriber import EventEndpoints, KVEventSubscriber
+from .lease import fenced_write
 from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_DROPPED, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS, KV_INDEX_PARTIAL
 from .pods import deployment_pod
 from .settings import Settings
@@ -181,8 +182,9 @@ class KVEventSharing:
                 if forgotten:
                     KV_EVENTS_DROPPED.labels(record.pod, "beyond_engine").inc(forgotten)
 
-    async def share(self, client, prefix: str) -> None:
-        """This interval's changes into the stream; every few seconds a snapshot the stream continues from."""
+    async def share(self, client, prefix: str, holder: str) -> None:
+        """This interval's changes into the stream; every few seconds a snapshot the stream continues from. Both
+        written only while `holder` (this worker's lease term) still holds the lease (`lease.fenced_write`)."""
         if self.subscriber is None:
             return
         self.export()
@@ -191,17 +193,20 @@ class KVEventSharing:
         if changes or self._number == 0:  # (a term's first, even empty: the snapshot's place in the stream)
             number, self._number = self._number, self._number + 1
             try:
-                self._last_id = _text(await client.xadd(changes_key(prefix), {
-                    "e": self._epoch, "n": number, "c": encode_changes(changes)},
-                    maxlen=STREAM_LENGTH, approximate=True))
+                written = await fenced_write(client, prefix, holder, "xadd", changes_key(prefix), {
+                    "e": self._epoch, "n": number, "c": encode_changes(changes)}, maxlen=STREAM_LENGTH)
             except Exception:
                 # Those changes are lost: the number they had is a gap readers notice, and the next snapshot,
                 # written as soon as Redis answers, holds them.
                 self._next_snapshot = 0.0
                 raise
+            if written is None:  # another worker leads now: it writes; this one will stand by
+                self._next_snapshot = 0.0
+                return
+            self._last_id = _text(written)
         if time.monotonic() >= self._next_snapshot:
             self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
-            await client.hset(snapshot_key(prefix), mapping={
+            await fenced_write(client, prefix, holder, "hset", snapshot_key(prefix), {
                 "e": self._epoch, "n": self._number - 1, "i": self._last_id, "c": encode_changes(index.snapshot())})
         if time.monotonic() >= self._next_checkpoint and await self.write_checkpoints(client, prefix):
             self._next_checkpoint = time.monotonic() + CHECKPOINT_EVERY_S

@@ -38,6 +38,28 @@ return {1, holder, settings, redis.call('TIME')}
 """
 
 
+# KEYS: lease, target   ARGV: holder, 'xadd' | 'hset', maxlen (xadd), field, value, ...
+_FENCED_WRITE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return false
+end
+local unpack = unpack or table.unpack
+if ARGV[2] == 'xadd' then
+  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+return 'OK'
+"""
+
+
+async def fenced_write(client, prefix: str, holder: str, op: str, key: str, fields: dict, maxlen: int = 0):
+    """`XADD` or `HSET` of `fields` into `key`, only while `holder` (worker#token) holds the scraper lease: one Lua
+    call, so a former leader paused past its lease cannot write the KV index's change sets or snapshot over its
+    successor's. None when another worker holds the lease (nothing written); else the entry id or "OK"."""
+    flat = [str(part) if not isinstance(part, (bytes, str)) else part for pair in fields.items() for part in pair]
+    return await client.eval(_FENCED_WRITE, 2, lease_key(prefix), key, holder, op, maxlen, *flat)
+
+
 def lease_key(prefix: str) -> str:
     return f"{{{prefix}}}:scraper:lease"
 

@@ -251,7 +251,7 @@ class Scraper:
                     self._redis_down.fail(type(exc).__name__)
         await self.kv_events.begin(self._redis, self.settings.key_prefix, self.proven)
         try:
-            await self.kv_events.share(self._redis, self.settings.key_prefix)
+            await self.kv_events.share(self._redis, self.settings.key_prefix, self.holder)
         except Exception as exc:  # the next interval writes again (a proxy that misses a number reloads)
             self._redis_down.fail(type(exc).__name__)
 
