@@ -105,3 +105,6 @@ async def test_the_snapshot_age_grows_while_no_record_can_be_read_whatever_the_c
     await publish_records(client, time.time())
     await proxy.refresh(client)  # a fresh record again
     assert proxy.snapshot_age_s() < 0.5 and REDIS_UP._value.get() == 1
+    hosted_only = Follower(S, FleetView(S), lambda: [], lambda s: None)  # no model-server pod: nothing is missing
+    await asyncio.sleep(0.2)
+    assert hosted_only.snapshot_age_s() == 0.0

@@ -206,7 +206,11 @@ class Follower:
             self._records_read_at, self._records_age_s = time.monotonic(), max(r.age_s() for r in records.values())
 
     def snapshot_age_s(self) -> float:
-        """The oldest pod record's age as of the last refresh that read any, plus the time since."""
+        """The oldest pod record's age as of the last refresh that read any, plus the time since; 0 for a proxy
+        with no model-server pod to read (hosted providers only: nothing is missing)."""
+        if not self._pods():
+            self._records_read_at, self._records_age_s = time.monotonic(), 0.0
+            return 0.0
         return self._records_age_s + time.monotonic() - self._records_read_at
 
     def _follow_prefixes(self, stream: list) -> None:
