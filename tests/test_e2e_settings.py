@@ -170,3 +170,16 @@ def test_enabled_false_hands_every_request_to_litellm_within_a_second_and_true_b
     assert cli(stack, "set", "enabled=true").returncode == 0
     assert max(wait_all(stack["ports"], 429)) < 1.0
     cli(stack, "reset")
+
+
+def test_shadow_mode_serves_by_litellm_and_counts_what_the_rules_would_have_done(stack):
+    cli(stack, "set", "queue_threshold_critical=3")
+    wait_all(stack["ports"], 429)  # the rules shed: every pod is over the threshold
+    assert cli(stack, "set", "shadow=true").returncode == 0
+    assert max(wait_all(stack["ports"], 200)) < 1.0  # LiteLLM serves them
+    for port in stack["ports"]:
+        page = httpx.get(f"http://127.0.0.1:{port}/metrics/").text
+        shed = [line for line in page.splitlines()
+                if line.startswith("lora_affinity_shadow_total{") and 'agree="shed"' in line]
+        assert shed and float(shed[0].rsplit(" ", 1)[1]) >= 1, page[-2000:]
+    cli(stack, "reset")

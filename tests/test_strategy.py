@@ -422,3 +422,21 @@ def test_the_plugins_log_lines_are_json_while_litellms_are(monkeypatch):
     monkeypatch.setattr(litellm, "json_logs", True, raising=False)
     body = json.loads(LogFormatter().format(record))
     assert body["message"] == "pod vllm-0 is down" and body["level"] == "WARNING" and body["logger"] == "lora_affinity"
+
+
+async def test_shadow_mode_lets_litellm_route_and_counts_where_the_rules_would_have_agreed():
+    from lora_affinity_plugin.metrics import SHADOW, SHADOW_GAIN
+
+    router, strat, fleet = make(shadow=True)
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    yes, no = SHADOW.labels("yes", "*"), SHADOW.labels("no", "*")
+    before = (yes._value.get(), no._value.get(), SHADOW_GAIN._sum.get())
+    picks = [await route(router, "sql-lora") for _ in range(30)]
+    assert len(set(picks)) > 1  # LiteLLM's shuffle served them, not the adapter's pod alone
+    agreed, disagreed = yes._value.get() - before[0], no._value.get() - before[1]
+    assert agreed + disagreed == 30 and agreed and disagreed and strat.decisions == 30
+    assert SHADOW_GAIN._sum.get() - before[2] > 0  # where they differ, the rules' pod was predicted sooner
+    import time
+
+    waiting = {c.key: c.waiting for c in fleet.candidates(PODS, time.time())}
+    assert waiting == {pod: picks.count(pod) for pod in PODS}  # each dispatch counted where LiteLLM sent it

@@ -22,6 +22,13 @@ for _cause in ("no_metrics", "error"):  # exported at 0 from the start: a rate o
     FALLBACKS.labels(_cause)
 DECISION_SECONDS = Histogram("lora_affinity_decision_seconds", "Time to choose a pod (plugin's own part)",
                              buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3))
+SHADOW = Counter("lora_affinity_shadow_total", "Shadow mode: requests LiteLLM routed, by whether the plugin would "
+                 "have picked the same pod (agree: yes, no; or shed: it would have refused it)",
+                 ["agree", "model_group"])
+SHADOW_GAIN = Histogram("lora_affinity_shadow_predicted_gain_seconds",
+                        "Shadow mode: the predicted time to first token on LiteLLM's pick minus on the plugin's "
+                        "(ttft.py; positive: the plugin's pick was predicted to start sooner)",
+                        buckets=(-1.0, -0.1, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 SNAPSHOT_AGE = Gauge("lora_affinity_snapshot_age_seconds",
                      "Age of the oldest pod record in the proxy's view; it grows while no record can be read "
                      "(Redis down, the scraper stopped, records expired)")

@@ -29,7 +29,7 @@ from .connection import SCHEMES, parse_redis_url
 
 ENV_PREFIX = "LORA_AFFINITY_"
 # Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
-GROUP_SETTINGS = ("enabled", "queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
+GROUP_SETTINGS = ("enabled", "shadow", "queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
                   "rule_set", "spill_queue_margin", "cost_band_ms", "cost_band_ratio", "band_width", "disabled_rules", "shedding",
                   "prefix_affinity", "prefix_queue_margin", "prefix_queue_ratio", "prefix_min_blocks", "prefix_isolation")
 
@@ -99,6 +99,11 @@ class Settings(BaseModel):
     """Off: every request (of the model group, when set per group) goes to LiteLLM's own routing strategy, with
     its weights, rpm/tpm limits and cooldowns, as without the plugin; the proxies follow a live change within one
     refresh. The way to back the plugin out without a restart."""
+    shadow: bool = False
+    """On: LiteLLM's own strategy routes every request (of the model group, when set per group) and the plugin only
+    decides beside it, counting where it would have agreed (`lora_affinity_shadow_total`) and how much sooner its
+    pick was predicted to start (`lora_affinity_shadow_predicted_gain_seconds`): a team compares on its own
+    traffic before switching."""
     rule_set: str = "lora-affinity"
     """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, `predicted-ttft` (the least
     predicted time to first token; experimental), `lora-affinity-v1` (the previous one), `gie-v0.2` (the endpoint

@@ -33,11 +33,12 @@ from .compat import healthy_deployments, host_pick, host_pick_sync, model_list, 
 from .episodes import Episode
 from .fleet import FleetView
 from .follower import Follower
-from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHEDS
+from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHADOW, SHADOW_GAIN, SHEDS
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard, pod_marks
 from .pooling import POOLED_PROVIDERS, PooledClients, provider_of
-from .placement import prefill_estimate_s
+from .placement import prefill_estimate_s, tokens_per_block
 from .scheduling import NoCapacity, Shed, choose_pod
+from .ttft import predict
 from .settings import Settings, build_settings
 
 logger = logging.getLogger("lora_affinity")
@@ -94,6 +95,10 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         healthy = await healthy_deployments(self.router, model, request_kwargs, messages, input, specific_deployment)
         if isinstance(healthy, dict):
             return healthy
+        if self._group_settings(model).shadow:  # LiteLLM routes; the plugin decides beside it and counts
+            served = await host_pick(self.router, model, messages, input, specific_deployment, request_kwargs)
+            self.shadow(model, healthy, request_kwargs, messages, served)
+            return served
         chosen = self.pick(model, healthy, request_kwargs, messages)
         if chosen is None:  # the plugin could not decide: LiteLLM's own pick, as without the plugin
             return await host_pick(self.router, model, messages, input, specific_deployment, request_kwargs)
@@ -135,6 +140,28 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             episode.recover()
         return deployment
 
+    def shadow(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any,
+               served: dict) -> None:
+        """Shadow mode: the plugin's decision for a request LiteLLM routed to `served`, counted, never acted on;
+        the dispatch is accounted to the pod that serves it. Nothing here can fail the request."""
+        group = _group(model, healthy)
+        try:
+            served_pod = next(iter(self._index.pods_of([served]).positions), None)
+            if served_pod is None:  # (LiteLLM chose a deployment that is no pod: nothing to compare)
+                return
+            decided = self._choose(model, healthy, request_kwargs, messages, serve=served_pod)
+        except Shed:
+            SHADOW.labels("shed", group).inc()
+            return
+        except Exception as exc:
+            self._fallback(group).fail(f"shadow decision failed: {type(exc).__name__}: {exc}", exc_info=exc)
+            return
+        if decided is not None:
+            pod, gain = decided
+            SHADOW.labels("yes" if pod == served_pod else "no", group).inc()
+            if gain is not None:
+                SHADOW_GAIN.observe(gain)
+
     def _first_shed(self, call_id: Any) -> bool:
         """Whether this call's 429 is its first (its retries are the same request to the client)."""
         if not isinstance(call_id, str):
@@ -146,7 +173,11 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             self._shed_calls.popitem(last=False)
         return True
 
-    def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any) -> dict | None:
+    def _choose(self, model: str, healthy: list[dict], request_kwargs: Mapping[str, Any], messages: Any,
+                serve: str | None = None) -> Any:
+        """The rules' pick among `healthy`, its dispatch accounted; None when they cannot decide. `serve` (shadow
+        mode): the pod LiteLLM chose serves the request, and its dispatch is accounted instead; returns the
+        rules' pod and how much sooner it was predicted to start than `serve` (None: not comparable)."""
         pods = self._index.pods_of(healthy)
         now = time.time()
         candidates = self.fleet.candidates(pods.keys, now)
@@ -171,10 +202,20 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                          decision.pod, decision.branch,
                          [(c.key, c.waiting, c.running, sorted(c.active_adapters)) for c in candidates],
                          request.prefix_blocks, request.prefix_matches)
-        self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None)
-        if request.prefix_hashes:
+        gain = None
+        if serve is not None:
+            served = next((c for c in candidates if c.key == serve), None)
             chosen = next(c for c in candidates if c.key == decision.pod)
-            self.fleet.note_prefix(decision.pod, request.prefix_hashes, now, prefill_estimate_s(chosen, request, settings))
+            if served is not None:
+                best = max(request.prefix_matches.values(), default=0)
+                per_block = tokens_per_block(settings)
+                gain = predict(served, request, per_block, best).ttft_s - predict(chosen, request, per_block, best).ttft_s
+            rules_pod, decision.pod = decision.pod, serve  # what follows accounts the pod that serves it
+        self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None)
+        if request.prefix_hashes and decision.pod in pods.positions:
+            chosen = next((c for c in candidates if c.key == decision.pod), None)
+            prefill_s = prefill_estimate_s(chosen, request, settings) if chosen is not None else 0.0
+            self.fleet.note_prefix(decision.pod, request.prefix_hashes, now, prefill_s)
         if call_id:
             tried_pods = self._tried.get(call_id, ())
             if decision.pod not in tried_pods:  # a tuple: most calls are tried once (a set costs 216 bytes)
@@ -184,6 +225,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                 self._tried.popitem(last=False)
         self.decisions += 1
         self._decision_counter(decision.branch, _group(model, healthy)).inc()
+        if serve is not None:
+            return rules_pod, gain
         return healthy[pods.positions[decision.pod]]
 
     def pooled_client(self, call_kwargs: Mapping[str, Any], call_type: Any) -> Any | None:
