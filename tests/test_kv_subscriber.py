@@ -734,3 +734,16 @@ def test_an_index_is_held_to_its_engines_block_count_oldest_first_on_every_pod()
     sharing.bound([PodRecord(f"p{i}", 0.0, PodMetrics(num_gpu_blocks=100, block_size=BS)) for i in range(64)])
     assert all(index.size(f"p{i}") == 100 for i in range(64))
     assert index.match("p7", keys(prompts[10])) == 0 and index.match("p7", keys(prompts[149])) == 1
+
+
+def test_a_removal_from_another_tier_leaves_the_gpus_block_and_its_stores_are_not_the_gpus():
+    """vLLM's KV offloading names the CPU copy of a block by the same hash: dropping that copy is not the GPU's."""
+    index = ExactIndex()
+    prompt = list(range(BS))
+    gpu = BlockStored((1,), None, tuple(prompt), BS, None, "GPU")
+    cpu_only = BlockStored((2,), None, tuple(t + 500 for t in prompt), BS, None, "CPU")
+    index.apply("p", EventBatch(0.0, (gpu, BlockStored((1,), None, tuple(prompt), BS, None, "CPU"), cpu_only)))
+    index.apply("p", EventBatch(1.0, (BlockRemoved((1,), "CPU"),)))
+    assert index.match("p", keys(prompt)) == 1 and index.match("p", keys([t + 500 for t in prompt])) == 0
+    index.apply("p", EventBatch(2.0, (BlockRemoved((1,), "GPU"),)))
+    assert index.match("p", keys(prompt)) == 0

@@ -79,6 +79,8 @@ class ExactIndex:
     def apply(self, pod: str, batch: EventBatch) -> None:
         blocks = self._pods.setdefault(pod, PodBlocks())
         for event in batch.events:
+            if isinstance(event, (BlockStored, BlockRemoved)) and not _on_gpu(event.medium):
+                continue  # another tier (CPU offload, storage) names the same hashes: its changes are not the GPU's
             if isinstance(event, BlockStored):
                 self._stored(pod, blocks, event)
             elif isinstance(event, BlockRemoved):
@@ -194,3 +196,9 @@ def _salt(event: BlockStored) -> str | None:
         return None
     rest = [k for k in first if isinstance(k, str) and k != event.lora_name]
     return rest[-1] if rest else None
+
+
+def _on_gpu(medium: object) -> bool:
+    """Whether an event is about the GPU's KV cache, the one a request is admitted from (None: releases and
+    engines that name no tier)."""
+    return medium is None or (isinstance(medium, str) and medium.upper() == "GPU")
