@@ -84,11 +84,22 @@ def cost_terms(*, waiting: int, queued: int, running: int, rates: PodRates, unca
     if adapter is not None and adapter not in active:
         if adapter not in resident:
             adapter_s = ADAPTER_LOAD_S
-        if active:  # each running request pays the extra share on every remaining step: half its generation
-            harm = running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2
+        if active:
+            harm = batch_harm_s(running, rates)
     if duplicated_tokens > 0:
-        harm += rates.prefill_factor * PREFILL_S_PER_TOKEN * duplicated_tokens
+        harm += copy_harm_s(rates, duplicated_tokens)
     return wait, adapter_s, rates.prefill_s(uncached_tokens), harm
+
+
+def batch_harm_s(running: int, rates: PodRates) -> float:
+    """A new adapter in a running batch: each running request pays the extra share on every remaining step, about
+    half its generation."""
+    return running * ADAPTER_STEP_SHARE * rates.decode_step_s * rates.mean_output_tokens / 2
+
+
+def copy_harm_s(rates: PodRates, tokens: float) -> float:
+    """A second copy of `tokens` another pod holds evicts about as much of someone else's cached work."""
+    return rates.prefill_factor * PREFILL_S_PER_TOKEN * tokens
 
 
 def estimate(*, waiting: int, queued: int, running: int, rates: PodRates, uncached_tokens: float,

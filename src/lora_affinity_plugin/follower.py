@@ -113,6 +113,8 @@ class Follower:
         self._bad_snapshot = Episode(logger, "the exact KV index snapshot in Redis cannot be read; its pods stay on the inferred index")
         self._records_read_at = time.monotonic()
         self._records_age_s = 0.0
+        self._pod_count: int | None = None
+        """Pods the last refresh read (the model list's, `discover_pods`): none means no age to report."""
         """When the last refresh read any pod record, and the oldest one's age then: the snapshot age grows from
         there while none can be read, whatever the cause."""
 
@@ -155,6 +157,7 @@ class Follower:
         self._sweep()
         prefix = self.base.key_prefix
         pods = self._pods()
+        self._pod_count = len(pods)
         sharing = self.settings.share_inflight
         peers = self.peers if sharing else []
         reads = [settings_key(prefix), *(pod_key(self.base, p) for p in pods),
@@ -208,7 +211,9 @@ class Follower:
     def snapshot_age_s(self) -> float:
         """The oldest pod record's age as of the last refresh that read any, plus the time since; 0 for a proxy
         with no model-server pod to read (hosted providers only: nothing is missing)."""
-        if not self._pods():
+        if self._pod_count is None:  # (before the first refresh: counted here, once)
+            self._pod_count = len(self._pods())
+        if not self._pod_count:
             self._records_read_at, self._records_age_s = time.monotonic(), 0.0
             return 0.0
         return self._records_age_s + time.monotonic() - self._records_read_at

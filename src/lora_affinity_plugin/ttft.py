@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import ADAPTER_LOAD_S, ADAPTER_STEP_SHARE
+from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s
 from .decision import Candidate, RouteRequest
 from .podstate import PREFILL_S_PER_TOKEN
 
@@ -94,8 +94,8 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         if not p.has_free_slot():  # after the adapters already waiting for a slot there, max_lora at a time
             waiting_adapters = max(0, len(p.active_adapters) - p.max_lora)
             adapter_s += (1 + waiting_adapters / p.max_lora) * generation_s / 2
-        if p.active_adapters:  # every running request pays the extra share for the rest of its generation
-            harm_s = p.running * ADAPTER_STEP_SHARE * generation_s / 2
+        if p.active_adapters:
+            harm_s = batch_harm_s(p.running, rates)
             if p.max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
                 share = min(1.0, len(p.active_adapters) / p.max_lora)
                 harm_s += (share if slots_scarce else share * share) * generation_s / 2
@@ -126,5 +126,5 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
 
     best_extra = max(0, best_match - held) * tokens_per_block
     if best_extra > 0:
-        harm_s += rates.prefill_factor * PREFILL_S_PER_TOKEN * best_extra
+        harm_s += copy_harm_s(rates, best_extra)
     return Prediction(adapter_s, queue_s, room_s, rates.prefill_s(uncached), harm_s, int(uncached))
