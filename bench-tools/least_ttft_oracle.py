@@ -3,8 +3,8 @@
 A reference no gateway can run: for each request it copies every simulated replica as it is at that moment
 (its queue, its batch, its KV cache and LoRA slots, the output lengths its running requests will reach), adds
 the request to the copy, runs the copy forward until the request's first token, and sends the request where
-that comes soonest (ties: the fewest requests there). It sees no future arrival, and weighs no harm to the
-requests already there. So it bounds what a better TTFT estimate (what llm-d's predicted-latency profile
+that comes soonest (ties: the fewest requests there; `lab/.../bench/oracle.py`). It sees no future arrival, and
+weighs no harm to the requests already there (`forward-oracle`, a strategy of the bench, does). So it bounds what a better TTFT estimate (what llm-d's predicted-latency profile
 learns) could win with greedy placement, not what every policy could.
 
 Prints TTFT p90 and completions per rate (medians over seeds), beside the strategies named, in one run; then,
@@ -21,70 +21,24 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
-import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 
 from lora_affinity_lab.bench import fast
 from lora_affinity_lab.bench.fast import FastObserver
-from lora_affinity_lab.bench.policies import Policy, make_policy, policy_names
-from lora_affinity_lab.bench.scenarios import SCENARIOS, SEED_PROMPT, at_rate, get_scenario, with_overrides
-from lora_affinity_lab.sim.engine import ReplicaEngine, Sequence
-from lora_affinity_lab.sim.kv_cache import block_hashes, count_tokens, prompt_text
+from lora_affinity_lab.bench.oracle import LeastTtftOracle
+from lora_affinity_lab.bench.policies import policy_names
+from lora_affinity_lab.bench.scenarios import SCENARIOS, at_rate, get_scenario, with_overrides
+from lora_affinity_lab.sim.engine import ReplicaEngine
 
-NAME = "least-ttft-oracle"
-MAX_STEPS = 5000
-"""Steps a copy runs before the request counts as never starting there."""
-
-
-class LeastTtftOracle(Policy):
-    name = NAME
-
-    def __init__(self, replicas: int, rng: random.Random, engines: list[ReplicaEngine], step_ends: dict[int, float],
-                 max_tokens: int) -> None:
-        super().__init__(replicas, rng)
-        self.engines, self.step_ends, self.max_tokens = engines, step_ends, max_tokens
-        self.in_flight = [0] * replicas
-
-    def route(self, adapter, connection, now, call_id="", messages=None, group=0, sheddable=False, tenant=None) -> int:
-        text = prompt_text({"messages": messages}) if messages else SEED_PROMPT
-        ttfts = [self._ttft(r, adapter, text, now) for r in range(self.replicas)]
-        best = min(ttfts)
-        equal = [r for r, t in enumerate(ttfts) if t <= best + 1e-9]
-        choice = min(equal, key=lambda r: (self.in_flight[r], self.rng.random()))
-        self.in_flight[choice] += 1
-        return choice
-
-    def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
-        self.in_flight[replica] -= 1
-
-    def _ttft(self, replica: int, adapter: str | None, text: str, now: float) -> float:
-        engine = copy.deepcopy(self.engines[replica])
-        seq = Sequence("oracle", adapter, count_tokens(text), engine.output_length(self.max_tokens), arrival=now,
-                       block_hashes=block_hashes(text, adapter, None, engine.config.block_size), prompt_text=text)
-        t = now
-        if engine.planned is not None:  # the step in flight ends when the fast bench's event says
-            t = self.step_ends.get(replica, now)
-            engine.finish_step(t)
-        engine.add(seq, now)
-        for _ in range(MAX_STEPS):
-            duration_ms = engine.plan_step()
-            if duration_ms <= 0:
-                break
-            t += duration_ms / 1000
-            engine.finish_step(t)
-            if seq.first_token_at is not None:
-                return seq.first_token_at - now
-        return float("inf")
+NAME = LeastTtftOracle.name
 
 
 class _Watch(FastObserver):
-    """The replicas (which the oracle copies), when each one's step in flight ends, and where requests went."""
+    """Where requests went."""
 
     def __init__(self) -> None:
         self.engines: list[ReplicaEngine] = []
-        self.step_ends: dict[int, float] = {}
         self.where: collections.Counter = collections.Counter()
 
     def started(self, engines, policies) -> None:
@@ -94,23 +48,13 @@ class _Watch(FastObserver):
         if 0 <= replica < len(self.engines):
             self.where.update(_where(self.engines, replica, request.adapter))
 
-    def planned(self, now, replica, queued, duration_s) -> None:
-        if duration_s > 0:
-            self.step_ends[replica] = now + duration_s
-
 
 def _one(args: tuple[str, float, int, str, float | None]) -> tuple[float, int, collections.Counter]:
     """TTFT p90, completions, and where the requests went (`_where`)."""
     name, rate, seed, strategy, minutes = args
     scenario = at_rate(with_overrides(get_scenario(name), duration_s=minutes * 60 if minutes else None), rate)
     watch = _Watch()
-
-    def making_policy(strategy_name, replicas, rng, overrides=None):
-        if strategy_name == NAME:
-            return LeastTtftOracle(replicas, rng, watch.engines, watch.step_ends, scenario.max_tokens)
-        return make_policy(strategy_name, replicas, rng, overrides)
-
-    result = fast.run_fast(scenario, strategy, seed, observer=watch, policy_factory=making_policy)
+    result = fast.run_fast(scenario, strategy, seed, observer=watch)
     return result.ttft_s.get("p90", float("nan")), result.completed, watch.where
 
 

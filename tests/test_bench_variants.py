@@ -5,7 +5,7 @@ summary reports the ratio's distribution per family."""
 from dataclasses import replace
 
 from lora_affinity_lab.bench import variants
-from lora_affinity_lab.bench.variants import DEFAULTS, FAMILIES, RANGES, REFERENCES, draw, measure, summary
+from lora_affinity_lab.bench.variants import BOUND, DEFAULTS, FAMILIES, RANGES, REFERENCES, draw, measure, summary
 
 
 def test_every_family_draws_the_same_variant_for_a_seed_and_another_for_another_seed():
@@ -41,7 +41,11 @@ def test_a_variant_is_measured_at_the_knee_and_a_step_above_against_the_best_ref
         assert row.best_reference in ("least-busy", "llmd-weights")
         assert row.p90[row.best_reference] == min(row.p90["least-busy"], row.p90["llmd-weights"])
         assert row.ratio == row.p90[DEFAULTS] / row.p90[row.best_reference]
-        assert set(row.p90) == {"least-busy", "llmd-weights", DEFAULTS, "predicted-ttft"}
+        assert set(row.p90) == {"least-busy", "llmd-weights", DEFAULTS, "predicted-ttft", BOUND}
     lines = summary(rows)
-    assert lines[-1].split()[0] == "all" and int(lines[-1].split()[1]) == 2
-    assert "lora-affinity-v1" in REFERENCES  # the previous defaults are a reference
+    last = lines[-1].split()
+    assert last[0] == "all" and int(last[1]) == 2
+    ratios = [row.p90[DEFAULTS] / row.p90[BOUND] for row in rows]
+    assert float(last[-1]) == round(max(ratios), 2)  # the worst ratio to the oracle closes the row
+    for name in ("lora-affinity-v1", "llmd-affinity", "aibrix-prefix", "dynamo", "llmd-precise"):
+        assert name in REFERENCES  # the previous defaults and each peer are references

@@ -76,7 +76,7 @@ def test_a_bad_profile_is_refused_with_its_name_and_step(profiles, fragment):
 
 
 def test_an_unknown_rule_set_names_the_choices_including_your_profiles():
-    with pytest.raises(SettingsError, match="rule_set: 'mine' is not a rule set; choose from: .*sglang-cache-aware, predicted-ttft, llmd-weights, llmd-precise, dynamo, other"):
+    with pytest.raises(SettingsError, match="rule_set: 'mine' is not a rule set; choose from: .*sglang-cache-aware, predicted-ttft, llmd-weights, llmd-precise, dynamo, llmd-affinity, aibrix-prefix, other"):
         build_settings({"rule_set": "mine", "profiles": {"other": ["pick"]}}, environ={})
     with pytest.raises(SettingsError, match=r"model_group_overrides.batch.*rule_set: 'nope' is not a rule set"):
         build_settings({"model_group_overrides": {"batch": {"rule_set": "nope"}}}, environ={})
@@ -206,3 +206,23 @@ def test_the_peers_references_llmd_precise_and_dynamo_choose_as_their_formulas_s
     assert choose_pod(pods, request, bs({"rule_set": "dynamo"}, environ={}), random.Random(1)).pod == "empty"
     # llm-d's precise profile: prefix 2 x 1.0 outweighs KV 1 x 0.9 (queues equal): the holder
     assert choose_pod(pods, request, bs({"rule_set": "llmd-precise"}, environ={}), random.Random(1)).pod == "holder"
+
+
+def test_the_peers_references_llmd_affinity_and_aibrix_prefix_choose_as_their_rules_say():
+    from lora_affinity_plugin.settings import build_settings as bs
+
+    affinity, aibrix = bs({"rule_set": "llmd-affinity"}, environ={}), bs({"rule_set": "aibrix-prefix"}, environ={})
+    pods = [Candidate("holder", 3, 4, 0.9, frozenset()), Candidate("idle", 0, 0, 0.0, frozenset()),
+            Candidate("half", 0, 1, 0.1, frozenset())]
+    held = RouteRequest(None, prefix_blocks=50, prefix_matches={"holder": 45, "half": 25})
+    # llm-d: 90% held makes the holder sticky; its start (no tokens in flight) is not 18 s behind: it keeps it
+    assert {choose_pod(pods, held, affinity, random.Random(i)).pod for i in range(10)} == {"holder"}
+    # ... until it is computing 20 s of prompts (at 15,928 tokens/s), while the others are free: the least token load
+    busy = RouteRequest(None, prefix_blocks=50, prefix_matches={"holder": 45, "half": 25},
+                        prefilling={"holder": 20 * 15_928 * 0.0002 + 1})
+    assert choose_pod(pods, busy, affinity, random.Random(1)).pod in {"idle", "half"}
+    # AIBrix: loads within 16 of each other: the longest match, within the mean + 2 sd
+    assert {choose_pod(pods, held, aibrix, random.Random(i)).pod for i in range(10)} == {"holder"}
+    # ... more than 16 apart: the least loaded, whatever it holds
+    crowded = [Candidate("holder", 20, 4, 0.9, frozenset()), *pods[1:]]
+    assert {choose_pod(crowded, held, aibrix, random.Random(i)).pod for i in range(10)} == {"idle"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .conditions import AdapterSurvey
 from .decision import Candidate, DecisionRun, Filter
-from .placement import (LARGE_PROMPT_SHARE, admits_now, fastest, least_band_int, not_far_busier, soonest_start,
+from .placement import (LARGE_PROMPT_SHARE, admits_now, computing_tokens, fastest, least_band_int, not_far_busier, soonest_start,
                         tokens_per_block, warm_pods)
 from .ttft import STICKY_MARGIN_S, predict
 
@@ -223,3 +223,61 @@ class PrefixAffinityTtft(Filter):
         if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
             return holders
         return pods
+
+
+# --- the peers' filters, as references ------------------------------------------------------------
+
+LLMD_STICKY_SCORE = 0.8
+"""llm-d's prefix-cache-affinity filter: the prefix score (matched share of the prompt) that makes a pod sticky."""
+LLMD_TTFT_PENALTY_S = 18.0
+"""...and how much later than the best other pod a sticky pod may start the prompt and keep it (its default)."""
+LLMD_PEAK_PREFILL_TOKENS_S = 15_928.0
+"""...estimating a start as in-flight tokens over this peak prefill throughput (its default)."""
+
+
+class LlmdPrefixAffinity(Filter):
+    """llm-d's newest default filter: the pods holding at least 80% of the prompt keep it, unless the best of them
+    would start it more than 18 s after the best other pod (each start estimated as its in-flight plus the prompt's
+    uncached tokens over 15,928 tokens/s, llm-d's defaults)."""
+
+    name = "llmd_prefix_affinity"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        request = run.request
+        if not request.prefix_blocks:
+            return pods
+        matches = request.prefix_matches
+        sticky = [p for p in pods if matches.get(p.key, 0) / request.prefix_blocks >= LLMD_STICKY_SCORE]
+        if not sticky or len(sticky) == len(pods):
+            return pods
+        per_block = tokens_per_block(run.settings)
+
+        def start_s(p: Candidate) -> float:
+            uncached = (request.prefix_blocks - matches.get(p.key, 0)) * per_block
+            return (computing_tokens(p, request) + uncached) / LLMD_PEAK_PREFILL_TOKENS_S
+
+        best_other = min(start_s(p) for p in pods if p not in sticky)
+        return sticky if min(start_s(p) for p in sticky) <= best_other + LLMD_TTFT_PENALTY_S else pods
+
+
+AIBRIX_IMBALANCE = 16
+"""AIBrix's prefix-cache policy: requests by which the busiest pod may exceed the least busy before it balances."""
+
+
+class AibrixPrefixCache(Filter):
+    """AIBrix's prefix-cache policy: the least loaded pods when loads differ by more than 16 requests; else the
+    longest match, then the least load, among pods loaded at most the mean plus two standard deviations."""
+
+    name = "aibrix_prefix_cache"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        loads = [p.load for p in pods]
+        least = min(loads)
+        if max(loads) - least > AIBRIX_IMBALANCE:
+            return [p for p in pods if p.load == least]
+        mean = sum(loads) / len(loads)
+        bound = mean + 2 * (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5
+        get = run.request.prefix_matches.get
+        within = [p for p in pods if p.load <= bound]
+        best = min((-get(p.key, 0), p.load) for p in within)
+        return [p for p in within if (-get(p.key, 0), p.load) == best]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .cost import CostParts, cache_wait_s, cost_terms, estimate
 from .decision import Candidate, RouteRequest
+from .podstate import PREFILL_S_PER_TOKEN
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -107,6 +108,12 @@ def warm_pods(pods: list[Candidate], request: RouteRequest, settings: Settings, 
     if best < settings.prefix_min_blocks:
         return []
     return [p for n, p in held if n == best]
+
+
+def computing_tokens(p: Candidate, request: RouteRequest) -> float:
+    """The prompt tokens `p` should still be computing for this gateway (`RouteRequest.prefilling`'s seconds at the
+    pod's prefill speed): the in-flight uncached tokens as far as one gateway knows them (llm-d's token load)."""
+    return request.prefilling.get(p.key, 0.0) / max(p.rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12)
 
 
 def prefill_estimate_s(p: Candidate, request: RouteRequest, settings: Settings) -> float:

@@ -2,8 +2,8 @@
 
 ``lora-affinity`` is the default; the others are kept so that every change is measured against them:
 ``lora-affinity-v1`` (the previous default), ``gie-v0.2`` (the Gateway API Inference Extension's endpoint
-picker, as published), and the peers' prefix-aware policies ``llmd-prefix`` and ``sglang-cache-aware``
-(as the llm-d and SGLang routers document them). The settings' `profiles` add more, by the same names
+picker, as published), and the peers' prefix-aware policies (``llmd-prefix``, ``llmd-weights``, ``llmd-precise``,
+``llmd-affinity``, ``dynamo``, ``sglang-cache-aware``, ``aibrix-prefix``, as those routers document them). The settings' `profiles` add more, by the same names
 (`build_profiles`): a list of part names, other profiles' names (their steps, inlined) and
 `{scorer: weight}` maps.
 """
@@ -37,12 +37,14 @@ from .conditions import (
 from .filters import (
     AdapterActive,
     AdapterElsewhere,
+    AibrixPrefixCache,
     AdapterRunning,
     AdmitsNow,
     Dealt,
     Fastest,
     FreeSlot,
     LeastLoadOrLongestMatch,
+    LlmdPrefixAffinity,
     LoraSoftAffinity,
     LowCostLora,
     LowQueue,
@@ -70,6 +72,7 @@ from .scorers import (
     PrefixScore,
     QueueScore,
     SmallestTree,
+    TokenLoad,
     Weighted,
 )
 
@@ -200,6 +203,12 @@ LLMD_PRECISE: list[Part] = [Weighted({PrefixScore(): 2.0, KvScore(): 1.0, QueueS
 DYNAMO: list[Part] = [DynamoCost(), Pick("dynamo")]
 """Dynamo's KV router: the least prefill plus decode blocks."""
 
+LLMD_AFFINITY: list[Part] = [LlmdPrefixAffinity(), TokenLoad(), Pick("llmd_affinity")]
+"""llm-d's newest defaults: its prefix-cache-affinity filter, then the token-load scorer."""
+
+AIBRIX_PREFIX: list[Part] = [AibrixPrefixCache(), Pick("aibrix_prefix")]
+"""AIBrix's prefix-cache policy."""
+
 BUILT_IN: dict[str, Steps] = {
     "lora-affinity": tuple(LORA_AFFINITY),
     "lora-affinity-v1": tuple(LORA_AFFINITY_V1),
@@ -210,6 +219,8 @@ BUILT_IN: dict[str, Steps] = {
     "llmd-weights": tuple(LLMD_WEIGHTS),
     "llmd-precise": tuple(LLMD_PRECISE),
     "dynamo": tuple(DYNAMO),
+    "llmd-affinity": tuple(LLMD_AFFINITY),
+    "aibrix-prefix": tuple(AIBRIX_PREFIX),
 }
 
 ProfileSpec = Sequence["str | Mapping[str, float]"]

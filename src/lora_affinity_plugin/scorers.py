@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from .decision import Candidate, DecisionRun, Outcome, Part, Scorer
-from .placement import cost_s, least_band_float, least_band_int, tokens_per_block
+from .placement import computing_tokens, cost_s, least_band_float, least_band_int, tokens_per_block
 from .ttft import SCARCE_SLOTS, predict, slots_in_use
 
 
@@ -205,6 +205,20 @@ class SmallestTree(Scorer):
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
         get = run.request.prefix_sizes.get
         return [get(p.key, 0) for p in pods]
+
+
+LLMD_TOKEN_LOAD_SCALE = 4 * 1024 * 1024
+"""llm-d's token-load scorer: in-flight uncached prompt tokens at which a pod scores 0."""
+
+
+class TokenLoad(Scorer):
+    """llm-d: 1 - min(1, in-flight uncached prompt tokens / 4 Mi) (negated)."""
+
+    name = "token_load"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        request = run.request
+        return [-(1 - min(1.0, computing_tokens(p, request) / LLMD_TOKEN_LOAD_SCALE)) for p in pods]
 
 
 class Weighted(Part):

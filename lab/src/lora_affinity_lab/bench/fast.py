@@ -133,9 +133,10 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
     engines = make_engines(scenario, seed, prefix_caching)
     policies = [policy_factory(strategy, scenario.replicas, random.Random(f"{seed}-{strategy}-{g}"), overrides)
                 for g in range(gateways)]
+    step_ends = [0.0] * scenario.replicas  # when each replica's step in progress ends (the forward oracle reads it)
     for policy in policies:
         policy.discovered(list(scenario.adapters))
-        policy.attach(engines)
+        policy.attach(engines, step_ends)
     kv_index = None
     if any(policy.wants_kv_events for policy in policies):  # the scraper follows the engines' KV events
         kv_index = ExactIndex()
@@ -164,7 +165,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         watch.planned(now, replica, queued, duration_ms / 1000)
         if duration_ms > 0:
             busy[replica] = True
-            push(now + duration_ms / 1000, "step", replica)
+            step_ends[replica] = now + duration_ms / 1000
+            push(step_ends[replica], "step", replica)
 
     def dispatch(now: float) -> None:
         while free_connections and pending:

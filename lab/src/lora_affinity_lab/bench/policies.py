@@ -17,69 +17,16 @@ from lora_affinity_plugin.placement import prefill_estimate_s
 from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS
 from lora_affinity_plugin.rates import RateTracker, decode_load
 from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, RouteRequest, Shed, choose_pod
-from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.prefixes import request_salt
 from lora_affinity_plugin.token_blocks import chain_keys
 from lora_affinity_plugin.settings import Settings, SettingsError, build_settings
 from lora_affinity_plugin.store import PodRecord
 
 from ..sim.kv_cache import ByteTokenizer, prompt_text
+from .oracle import ForwardOracle, LeastTtftOracle
+from .policy import SHED, Policy
 
 BASE_MODEL = "meta-llama/Llama-2-7b-hf"
-SHED = -1
-"""`route`'s answer for a sheddable request the rules refuse: HTTP 429."""
-
-
-class Policy:
-    """Per-gateway routing state; one instance per gateway replica."""
-
-    name = "policy"
-    per_connection = False
-
-    def __init__(self, replicas: int, rng: random.Random) -> None:
-        self.replicas = replicas
-        self.rng = rng
-
-    def route(self, adapter: str | None, connection: int, now: float, call_id: str = "",
-              messages: list | None = None, group: int = 0, sheddable: bool = False, tenant: str | None = None) -> int:
-        raise NotImplementedError
-
-    def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
-        pass
-
-    def ended(self, call_id: str) -> None:
-        """A request this gateway routed has ended (finished or timed out)."""
-
-    def share(self) -> PeerShare | None:
-        """What this gateway shares with its peers through Redis, if anything."""
-        return None
-
-    def peers(self, share: PeerShare, now: float | None = None) -> None:
-        pass
-
-    def take_prefixes(self) -> list:
-        """Index entries this gateway shares with its peers this refresh."""
-        return []
-
-    wants_kv_events = False
-    """Routes on the engines' KV events (`kv_changes`): the run records them."""
-
-    def kv_changes(self, changes: dict) -> None:
-        """The scraper's changes to the exact index (`exact_share.PodChange` per pod), as a refresh reads them."""
-
-    def attach(self, engines: list) -> None:
-        """The simulated engines themselves (only a reference that reads their state may use them)."""
-
-    def peer_prefixes(self, entries: list) -> None:
-        pass
-
-    def scraped(self, snapshots: list[PodMetrics], gpu: list[frozenset[str]], at: float) -> None:
-        pass
-
-    def discovered(self, adapters: list[str]) -> None:
-        """What the pods' /v1/models list (the plugin learns it through the scraper's discovery)."""
-
-
 class PerConnectionRandom(Policy):
     """What a Kubernetes Service does: each client connection sticks to one random replica."""
 
@@ -334,7 +281,7 @@ class OracleRules(Rules):
         super().__init__(replicas, rng, settings, name)
         self.fleet = OracleFleet(settings)
 
-    def attach(self, engines: list) -> None:
+    def attach(self, engines: list, step_ends: list[float] | None = None) -> None:
         self.fleet.engines = engines
 
 
@@ -380,13 +327,15 @@ RULE_SETS = {"predicted-ttft": {"rule_set": "predicted-ttft"}, "llmd-weights": L
              "gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
              "lora-affinity-exact": EXACT, "exact-state-oracle": EXACT,
              "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE,
-             "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1"}}
+             "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1"},
+             "llmd-affinity": {**LLMD_PREFIX, "rule_set": "llmd-affinity"}, "aibrix-prefix": {"rule_set": "aibrix-prefix"}}
 """Strategies that are the plugin's own code with these settings (in fast mode and live)."""
 
 
 def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | None = None) -> Policy:
     simple = {c.name: c for c in (PerConnectionRandom, SimpleShuffle, LeastBusy, LatencyBased, UsageBasedV2, SeedPicker,
-                                   StaticPartition, PrefixPartition)}
+                                   StaticPartition, PrefixPartition, ForwardOracle,
+                                   LeastTtftOracle)}
     if name in simple:
         return simple[name](replicas, rng)
     if name in RULE_SETS:
@@ -398,7 +347,8 @@ def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | 
 
 def policy_names() -> list[str]:
     """Every name `make_policy` takes."""
-    return [*STRATEGY_NAMES, *sorted(set(RULE_SETS) - set(STRATEGY_NAMES)), "static-partition", "prefix-partition"]
+    return [*STRATEGY_NAMES, *sorted(set(RULE_SETS) - set(STRATEGY_NAMES)), "static-partition", "prefix-partition",
+            "forward-oracle", "least-ttft-oracle"]
 
 
 def bench_overrides(args: argparse.Namespace) -> dict:

@@ -24,9 +24,11 @@ from .scenarios import Scenario, _adapters
 TTFT_TARGET_S = 1.0
 LADDER = 1.3
 """Each rate step of the knee search and the step above the knee: x1.3."""
-REFERENCES = ("simple-shuffle", "least-busy", "llmd-weights", "llmd-prefix", "llmd-precise", "dynamo",
-              "sglang-cache-aware", "lora-affinity-v1")
+REFERENCES = ("simple-shuffle", "least-busy", "llmd-weights", "llmd-prefix", "llmd-precise", "llmd-affinity", "dynamo",
+              "sglang-cache-aware", "aibrix-prefix", "lora-affinity-v1")
 """What the defaults are measured against (the previous defaults among them)."""
+BOUND = "forward-oracle"
+"""What no gateway can reach (`oracle.py`): each row reports every strategy's ratio to it as well."""
 DEFAULTS = "lora-affinity"
 
 RANGES = {
@@ -188,7 +190,8 @@ def measure(variant: Variant, strategies: list[str], seeds: range, knee_seeds: r
     rows = []
     for step, rate in (("knee", knee_rate), ("above", round(knee_rate * LADDER, 3))):
         scenario = _at(variant.scenario, rate)
-        by_seed = {name: _p90s(scenario, name, seeds) for name in dict.fromkeys([*REFERENCES, DEFAULTS, *strategies])}
+        by_seed = {name: _p90s(scenario, name, seeds)
+                   for name in dict.fromkeys([*REFERENCES, DEFAULTS, *strategies, BOUND])}
         p90 = {name: statistics.median(v) for name, v in by_seed.items()}
         best = min(REFERENCES, key=lambda name: p90[name])
         rows.append(Row(variant.name, variant.family, rate, step, target, p90, best, p90[DEFAULTS] / p90[best],
@@ -197,15 +200,18 @@ def measure(variant: Variant, strategies: list[str], seeds: range, knee_seeds: r
 
 
 def summary(rows: list[Row], strategy: str = DEFAULTS) -> list[str]:
-    lines = [f"{strategy} / best reference, TTFT p90, per family (knee and one step above):",
-             f"{'family':<26}{'rows':>5}{'median':>8}{'worst':>8}{'interval > 1':>14}"]
+    lines = [f"{strategy} / best reference, TTFT p90, per family (knee and one step above); and / {BOUND}:",
+             f"{'family':<26}{'rows':>5}{'median':>8}{'worst':>8}{'interval > 1':>14}{'oracle median':>15}"
+             f"{'oracle worst':>14}"]
     for family in [*FAMILIES, "all"]:
         mine = [r for r in rows if family in ("all", r.family)]
         if not mine:
             continue
         ratios = [_ratio(r, strategy) for r in mine]
         above = sum(1 for r in mine if (iv := _interval(r, strategy)) is not None and iv[0] > 1)
-        lines.append(f"{family:<26}{len(mine):>5}{statistics.median(ratios):>8.2f}{max(ratios):>8.2f}{above:>14}")
+        bound = [r.p90[strategy] / r.p90[BOUND] for r in mine if BOUND in r.p90]
+        lines.append(f"{family:<26}{len(mine):>5}{statistics.median(ratios):>8.2f}{max(ratios):>8.2f}{above:>14}"
+                     + (f"{statistics.median(bound):>15.2f}{max(bound):>14.2f}" if bound else ""))
     return lines
 
 
@@ -226,7 +232,8 @@ def run_variants(args: argparse.Namespace) -> int:
     first = getattr(args, "variant_seed", None) or 1
     print(f"variants: {count} per family ({', '.join(families)}), variant seeds {first}-{first + count - 1}; "
           f"{len(seeds)} seeds per strategy; knee: the lowest rate (x{LADDER} ladder) where every reference's TTFT "
-          f"p90 is past {TTFT_TARGET_S:g} s (medians of {len(knee_seeds)} seeds); references: {', '.join(REFERENCES)}")
+          f"p90 is past {TTFT_TARGET_S:g} s (medians of {len(knee_seeds)} seeds); references: {', '.join(REFERENCES)}; "
+          f"bound: {BOUND}")
     rows: list[Row] = []
     for family in families:
         for seed in range(first, first + count):
@@ -243,5 +250,5 @@ def run_variants(args: argparse.Namespace) -> int:
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(
-            {"ranges": RANGES, "references": REFERENCES, "rows": [asdict(r) for r in rows]}, indent=1))
+            {"ranges": RANGES, "references": REFERENCES, "bound": BOUND, "rows": [asdict(r) for r in rows]}, indent=1))
     return 0

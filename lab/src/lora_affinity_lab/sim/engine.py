@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .kv_cache import BlockPool, ByteTokenizer, Tokenizer
 
@@ -154,6 +154,25 @@ class ReplicaEngine:
         for adapter in gpu_adapters or []:
             _lru_put(self.cpu, adapter, config.max_cpu_loras)
             _lru_put(self.gpu, adapter, config.max_loras)
+
+    def fork(self) -> ReplicaEngine:
+        """A copy to look ahead with (the forward oracle, `bench/oracle.py`): the same queue, batch, planned step,
+        adapters, cache and random draws; its own counters, no KV events, and no reply blocks cached (a look-ahead
+        ends at first tokens, long before a reply's blocks matter)."""
+        copy = ReplicaEngine(replace(self.config), random.Random())
+        copy.rng.setstate(self.rng.getstate())
+        planned = self._planned[1] if self._planned is not None else []
+        twins = {id(s): replace(s, held=list(s.held), prompt_text=None) for s in (*self.waiting, *self.running, *planned)}
+        copy.waiting = [twins[id(s)] for s in self.waiting]
+        copy.running = [twins[id(s)] for s in self.running]
+        copy.gpu, copy.cpu = OrderedDict(self.gpu), OrderedDict(self.cpu)
+        copy.pool = self.pool.fork()
+        copy.tokenizer = self.tokenizer
+        if self._planned is not None:
+            kind, seqs = self._planned
+            copy._planned = (kind, [twins[id(s)] for s in seqs])
+        copy._planned_s = self._planned_s
+        return copy
 
     # --- requests ----------------------------------------------------------------------------
     def output_length(self, max_tokens: int) -> int:

@@ -143,6 +143,14 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         """Free blocks that still hold their prefix, least recently freed first."""
 
+    def fork(self) -> BlockPool:
+        """A copy that records no events (the forward oracle's look-ahead)."""
+        copy = BlockPool.__new__(BlockPool)
+        copy.total, copy.caching, copy.events, copy.free = self.total, self.caching, None, self.free
+        copy._in_use = dict(self._in_use)
+        copy._free_cached = OrderedDict(self._free_cached)
+        return copy
+
     def cached_prefix(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt this replica holds."""
         if not self.caching:
