@@ -6,7 +6,7 @@ import random
 from lora_affinity_plugin.podstate import PodRates
 from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
 from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.ttft import ROOM_GENERATIONS, predict, slots_in_use
+from lora_affinity_plugin.ttft import COLD_ADAPTER_S, ROOM_GENERATIONS, predict, slots_in_use
 
 RATES = PodRates(prefill_factor=1.0, decode_step_s=0.08, queue_s_per_request=0.5, mean_output_tokens=100,
                  learned=True)
@@ -123,3 +123,20 @@ def test_a_slot_taken_costs_more_once_most_slots_are_in_use():
     half = pod(adapters=("a",), max_lora=2)
     assert predict(half, request, TPB, 0, slots_scarce=True).harm_s > predict(half, request, TPB, 0).harm_s
     assert slots_in_use([pod(adapters=("a", "b")), pod(adapters=())]) == 0.5
+
+
+def test_an_adapter_not_run_lately_loads_from_disk_only_when_the_fleet_serves_more_than_a_pod_keeps():
+    few, many = RouteRequest("b", served_adapters=4), RouteRequest("b", served_adapters=12)  # a pod keeps 2 x 2 slots
+    busy = pod(waiting=3)
+    assert predict(busy, many, TPB, 0, residency_memory=2).adapter_s == (
+        predict(busy, few, TPB, 0, residency_memory=2).adapter_s + COLD_ADAPTER_S)
+    # ... and its queue waits through the load too (vLLM loads within a step)
+    assert predict(busy, many, TPB, 0).harm_s == predict(busy, few, TPB, 0).harm_s + 3 * COLD_ADAPTER_S
+    # a pod that ran it lately still holds it, however many the fleet serves
+    assert predict(pod(waiting=3, resident=("b",)), many, TPB, 0).adapter_s == 0
+
+
+def test_room_counts_only_the_queue_ahead_of_the_request_when_its_adapter_runs_past_others_waiting_for_a_slot():
+    crowded = pod(waiting=6, running=2, adapters=("a", "b", "c", "d"), free=1_000, size=8_000)
+    mine, other = RouteRequest("a", prefix_blocks=10), RouteRequest("e", prefix_blocks=10)
+    assert predict(crowded, mine, TPB, 0).room_s < predict(crowded, other, TPB, 0).room_s

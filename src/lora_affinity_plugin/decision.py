@@ -107,6 +107,8 @@ class RouteRequest:
     """The pod the served adapters, dealt over the candidates in order, give this adapter."""
     dealt_adapters: int = 0
     """How many adapters that deal covers (the fleet serves)."""
+    served_adapters: int = 0
+    """How many adapters the fleet serves (the pods' /v1/models, from discovery; 0: not known)."""
     instructions_blocks: int = 0
     """About how many full blocks the prompt's first message fills when it is the app's instructions (a
     `system` or `developer` message): the part that comes back with every request of the app."""

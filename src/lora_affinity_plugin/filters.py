@@ -6,7 +6,7 @@ from .conditions import AdapterSurvey
 from .decision import Candidate, DecisionRun, Filter
 from .placement import (LARGE_PROMPT_SHARE, admits_now, computing_tokens, fastest, least_band_int, not_far_busier, soonest_start,
                         tokens_per_block, warm_pods)
-from .ttft import STICKY_MARGIN_S, predict
+from .ttft import STICKY_MARGIN_S, predictions
 
 
 class LowQueue(Filter):
@@ -219,7 +219,8 @@ class PrefixAffinityTtft(Filter):
             kept = not_far_busier(pods, settings, among=small)
             if kept and not (request.later_turn and all(p.reported_waiting for p in kept)):
                 return kept  # ...unless it is a conversation's next turn and every one of them queues
-        ttft = {p.key: predict(p, request, per_block, best).ttft_s for p in pods}
+        predicted = predictions(pods, request, settings)
+        ttft = {key: t.ttft_s for key, t in predicted.items()}
         if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
             return holders
         return pods

@@ -183,7 +183,7 @@ class FleetView:
         dealt = len(self._dealing) if home is not None else 0
         if not hashes:
             return RouteRequest(adapter, sheddable, placement_key=placement_key(scope, ()), gateways=gateways,
-                                home=home, dealt_adapters=dealt)
+                                home=home, dealt_adapters=dealt, served_adapters=len(self._dealing))
         matches = self.prefixes.matches(hashes, pods)
         sources = NO_SOURCES
         if settings.kv_events:  # (read once: the request path of a fleet without events pays nothing more)
@@ -193,6 +193,7 @@ class FleetView:
             adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
             prefix_matches=matches, match_sources=sources, prefix_hashes=hashes,
             prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
+            served_adapters=len(self._dealing),
             instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
             later_turn=adapter is None and is_later_turn(messages),  # only a base-model turn reads it
             prefilling=self._prefilling(now) if now is not None and self._computing_until else {})

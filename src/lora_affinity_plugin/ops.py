@@ -24,14 +24,13 @@ from .connection import sync_client
 from .fleet import FleetView
 from .inflight import prefix_stream_key, read_shared_tables
 from .lease import lease_key
-from .placement import tokens_per_block
 from .pods import discover_pods
 from .exact_share import apply_entries, changes_key, decode_changes, snapshot_key
 from .prefix_index import decode_entries
 from .profiles import BUILT_IN, STEP_KINDS, describe, part_names
 from .scheduling import SchedulingError, choose_pod
 from .settings import Settings, SettingsError, load_config, settings_from_config
-from .ttft import predict
+from .ttft import predictions
 from .store import PodRecord, decode_records, pod_key
 
 
@@ -340,15 +339,14 @@ def run_explain(args: argparse.Namespace) -> int:
         lines += [f"    {pod}: {parts.describe()}" + ("" if view[pod].rates.learned else " (default rates)")
                   + (f" (slowness {view[pod].slowness:.2f} against the fleet)" if view[pod].slowness != 1.0 else "")
                   for pod, parts in decision.costs.items()]
-    best_match = max(request.prefix_matches.values(), default=0)
-    predictions = {c.key: predict(c, request, tokens_per_block(settings), best_match) for c in candidates}
+    predicted = predictions(candidates, request, settings)
     data["predictions"] = {pod: {"total_s": round(t.total_s, 4), "ttft_s": round(t.ttft_s, 4),
                                  "adapter_s": round(t.adapter_s, 4), "queue_s": round(t.queue_s, 4),
                                  "room_s": round(t.room_s, 4), "prefill_s": round(t.prefill_s, 4),
                                  "harm_s": round(t.harm_s, 4), "uncached_tokens": t.uncached_tokens}
-                           for pod, t in predictions.items()}
+                           for pod, t in predicted.items()}
     lines.append("  predicted time to first token (the predicted-ttft rule set's terms):")
-    lines += [f"    {pod}: {t.describe()}" for pod, t in predictions.items()]
+    lines += [f"    {pod}: {t.describe()}" for pod, t in predicted.items()]
     for s in steps:
         lines.append(f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}")
         if s.get("values"):  # a scorer: each candidate's value, lower is better

@@ -7,7 +7,7 @@ import math
 
 from .decision import Candidate, DecisionRun, Outcome, Part, Scorer
 from .placement import computing_tokens, cost_s, least_band_float, least_band_int, tokens_per_block
-from .ttft import SCARCE_SLOTS, predict, slots_in_use
+from .ttft import predictions
 
 
 class LeastLoad(Scorer):
@@ -70,11 +70,8 @@ class PredictedTtft(Scorer):
     name = "predicted_ttft"
 
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
-        request = run.request
-        per_block = tokens_per_block(run.settings)
-        best_match = max(request.prefix_matches.values(), default=0)
-        scarce = request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
-        return [predict(p, request, per_block, best_match, scarce).total_s for p in pods]
+        predicted = predictions(pods, run.request, run.settings)
+        return [predicted[p.key].total_s for p in pods]
 
     def edge(self, costs: list[float], run: DecisionRun) -> float:
         least = min(costs)

@@ -36,9 +36,9 @@ from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHADOW, SHADOW_GAIN, SHEDS
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard, pod_marks
 from .pooling import POOLED_PROVIDERS, PooledClients, provider_of
-from .placement import prefill_estimate_s, tokens_per_block
+from .placement import prefill_estimate_s
 from .scheduling import NoCapacity, Shed, choose_pod
-from .ttft import predict
+from .ttft import predictions
 from .settings import Settings, build_settings
 
 logger = logging.getLogger("lora_affinity")
@@ -207,9 +207,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
             served = next((c for c in candidates if c.key == serve), None)
             chosen = next(c for c in candidates if c.key == decision.pod)
             if served is not None:
-                best = max(request.prefix_matches.values(), default=0)
-                per_block = tokens_per_block(settings)
-                gain = predict(served, request, per_block, best).ttft_s - predict(chosen, request, per_block, best).ttft_s
+                predicted = predictions(candidates, request, settings)
+                gain = predicted[served.key].ttft_s - predicted[chosen.key].ttft_s
             rules_pod, decision.pod = decision.pod, serve  # what follows accounts the pod that serves it
         self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None)
         if request.prefix_hashes and decision.pod in pods.positions:

@@ -4,7 +4,8 @@ Pure, like the rest of the scheduling core: a candidate and a request in, the te
 seconds and from each pod's learned rates (`rates.py`; the defaults until enough is seen). A reader can check
 each term by hand (docs/routing.md, "The predicted time to first token"):
 
-- ``adapter``: the adapter's wait. 0 when the pod runs it; the load from CPU or disk when a slot is free; when
+- ``adapter``: the adapter's wait. 0 when the pod runs it; the load from CPU when a slot is free, and from disk
+  (`COLD_ADAPTER_S`) when the pod has not run it lately and the fleet serves more adapters than a pod keeps; when
   every slot holds another adapter, vLLM admits the request only once one of them has no request left: about
   half a generation, the mean time for the running requests to end, and as much again for each `max_lora`
   adapters already waiting there for a slot.
@@ -14,11 +15,12 @@ each term by hand (docs/routing.md, "The predicted time to first token"):
   slot, since vLLM admits it past those), the requests sent since its scrape (each joins the next prefill step),
   and half the decode step in flight when the pod is busy.
 - ``room``: the wait for KV-cache room. The uncached tokens it must compute, and the tokens the requests ahead of
-  it take (each waiting one at least this request's prompt), against the tokens the pod's cache had free; a
+  it take (each waiting one at least this request's prompt; the same share of the queue as ``queue`` counts), against the tokens the pod's cache had free; a
   shortfall waits about a generation for the first running request to end, then a generation more for each
   cache's worth of tokens.
 - ``prefill``: computing what the pod does not hold, at the pod's learned prefill speed.
-- ``harm``: not part of the wait, but of what the choice costs the fleet, in the same seconds: a new adapter in a
+- ``harm``: not part of the wait, but of what the choice costs the fleet, in the same seconds: a load from disk
+  holds every request queued there for as long (vLLM loads within a step); a new adapter in a
   batch slows every running request's decode steps and takes a LoRA slot another adapter's next request may then
   wait for (half a generation, times the share of the pod's slots already taken, squared while the fleet's slots
   are plentiful); a second copy of a prefix another pod
@@ -31,16 +33,24 @@ remaining tie alike by rendezvous rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s
 from .decision import Candidate, RouteRequest
 from .podstate import PREFILL_S_PER_TOKEN
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 
 SCARCE_SLOTS = 0.75
 """The share of the candidates' LoRA slots in use past which slots count as scarce (`predict`'s slot term)."""
 STICKY_MARGIN_S = 1.0
 """How much later than the best other pod the prompt's prefix holders may start it and keep it (`prefix_affinity_ttft`)."""
+COLD_ADAPTER_S = 1.0
+"""Loading an adapter from disk (vLLM: about a second, 0.2-3 s by size and storage): counted where the pod has not
+run it lately while the fleet serves more adapters than a pod keeps at hand (`Settings.residency_memory` times its
+slots, as vLLM's CPU cache does by default)."""
 ROOM_GENERATIONS = 4.0
 """The room term's bound, in generations: past it the estimate says little but "much later"."""
 
@@ -76,11 +86,20 @@ def slots_in_use(pods: list[Candidate]) -> float:
     return sum(min(len(p.active_adapters), p.max_lora) for p in pods if p.max_lora) / slots if slots else 0.0
 
 
+def predictions(pods: list[Candidate], request: RouteRequest, settings: Settings) -> dict[str, Prediction]:
+    """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
+    per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    best_match = max(request.prefix_matches.values(), default=0)
+    scarce = request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
+    return {p.key: predict(p, request, per_block, best_match, scarce, settings.residency_memory) for p in pods}
+
+
 def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int,
-            slots_scarce: bool = False) -> Prediction:
+            slots_scarce: bool = False, residency_memory: int = 2) -> Prediction:
     """The request's predicted first token on `p` (the module's docstring says why each term). `slots_scarce`:
     most of the fleet's LoRA slots are taken, so every slot taken is one another adapter is likely to wait for
-    (the slot term then grows with the pod's share of slots in use, not its square)."""
+    (the slot term then grows with the pod's share of slots in use, not its square). `residency_memory`: how many
+    times its slots the pod's remembered adapters may number (`Settings.residency_memory`)."""
     rates = p.rates
     held = request.prefix_matches.get(p.key, 0)
     uncached = max(0.0, (request.prefix_blocks - held) * tokens_per_block)
@@ -91,11 +110,16 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
     if adapter is not None and adapter not in p.active_adapters:
         if adapter not in p.resident_adapters:
             adapter_s = ADAPTER_LOAD_S
+            if p.max_lora and request.served_adapters > residency_memory * p.max_lora:
+                # The fleet serves more adapters than a pod keeps at hand: one it has not run lately is on disk.
+                # vLLM loads it within a step, so the queue there waits for it too.
+                adapter_s += COLD_ADAPTER_S
+                harm_s = min(p.reported_waiting, p.waiting) * COLD_ADAPTER_S
         if not p.has_free_slot():  # after the adapters already waiting for a slot there, max_lora at a time
             waiting_adapters = max(0, len(p.active_adapters) - p.max_lora)
             adapter_s += (1 + waiting_adapters / p.max_lora) * generation_s / 2
         if p.active_adapters:
-            harm_s = batch_harm_s(p.running, rates)
+            harm_s += batch_harm_s(p.running, rates)
             if p.max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
                 share = min(1.0, len(p.active_adapters) / p.max_lora)
                 harm_s += (share if slots_scarce else share * share) * generation_s / 2
@@ -119,7 +143,7 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         used = max(size - free, 1.0)
         prompt = request.prefix_blocks * tokens_per_block
         per_request = max(used / p.running if p.running else 0.0, prompt)
-        ahead = computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12) + p.waiting * per_request
+        ahead = computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12) + (queued + sent) * per_request
         shortfall = uncached + ahead - free
         if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
             room_s = min(ROOM_GENERATIONS, 1.0 + shortfall / used) * generation_s
