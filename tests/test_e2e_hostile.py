@@ -1,4 +1,5 @@
-"""Hostile request bodies through a real proxy with the plugin, side by side with one without it.
+"""Hostile request bodies through a real proxy with the plugin (KV events on: each prompt also tokenized), side by
+side with one without it.
 
 Each body is served or refused exactly as the proxy without the plugin serves or refuses it, the
 plugin never falls back on an error of its own, and its decision time stays bounded whatever the
@@ -7,6 +8,7 @@ prompt (it reads at most `prefix_max_chars` of it).
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import sys
@@ -19,7 +21,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 from procs import MASTER_KEY, Proc, free_port, free_port_range, lora_affinity, proxy_config, redis_server, wait_port
 
+from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE  # the simulator's rendering, as Jinja
 from lora_affinity_lab.processes import start_litellm_proxy, wait_proxy
+from test_kv_subscriber import _train_tokenizer
 
 HEADERS = {"Authorization": f"Bearer {MASTER_KEY}", "Content-Type": "application/json"}
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 200
@@ -28,17 +32,29 @@ IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 200
 @pytest.fixture(scope="module")
 def proxies(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
-    base = free_port_range(2)
-    ports = iter(p for p in iter(free_port, None) if not base <= p < base + 2)
+    _train_tokenizer(tmp / "tokenizer.json")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    base, pub, replay = free_port_range(2), free_port_range(2), free_port_range(2)
+    taken = {*range(base, base + 2), *range(pub, pub + 2), *range(replay, replay + 2)}
+    ports = iter(p for p in iter(free_port, None) if p not in taken)
     redis_port, with_port, without_port = next(ports), next(ports), next(ports)
     procs: list[Proc] = []
     store = redis_server(redis_port, tmp)
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                         "replay_endpoint": f"tcp://*:{replay}"})
     try:
         procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
-                                  "--base-port", str(base), "--speed", "50"], tmp))
+                                  "--base-port", str(base), "--speed", "50", "--tokenizer", str(tmp / "tokenizer.json"),
+                                  "--kv-events-config", events], tmp))
         for p in (base, base + 1):
             wait_port(p)
-        with_plugin = proxy_config([base, base + 1], redis_port)
+        # KV events on: every prompt is also rendered and tokenized on the request path (capped like the index's)
+        with_plugin = proxy_config([base, base + 1], redis_port, kv_events=True,
+                                   tokenizers={"*": {"tokenizer": str(tmp / "tokenizer.json"),
+                                                     "chat_template": str(tmp / "chat.jinja")}})
+        for i, deployment in enumerate(with_plugin["model_list"]):
+            deployment["model_info"] = {"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
+                                        "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"}
         with_plugin["litellm_settings"]["callbacks"].insert(0, "prometheus")
         (tmp / "with.yaml").write_text(yaml.safe_dump(with_plugin))
         without_plugin = proxy_config([base, base + 1], redis_port, "simple-shuffle")

@@ -205,3 +205,47 @@ def test_a_pod_joined_past_its_replay_buffer_is_partial_and_keeps_what_the_proxy
         explained.update(explain(stack, adapter, question))
         return explained["match_sources"][holder] == "exact" and explained["prefix_matches"][holder] == 0
     wait_for(exact_again)
+
+
+def test_a_corrupted_record_snapshot_and_change_set_cost_only_their_pod(stack):
+    """No scraper runs; the two reporting pods' records are kept fresh by hand, while the third pod's record, the
+    shared index's snapshot and a change set in its stream are garbage. The proxy refreshes through all of it:
+    every request is served, every one decided by the rules (no fallback), and none goes to the unreadable pod
+    once its last good record is stale."""
+    import threading
+
+    import redis as redis_client
+
+    from lora_affinity_plugin.exact_share import changes_key, snapshot_key
+    from lora_affinity_plugin.settings import build_settings
+    from lora_affinity_plugin.store import PodRecord, pod_key
+
+    procs, pods = stack["procs"], stack["pods"]
+    for proc in [p for p in procs if p.name.startswith("scraper") and p.popen.poll() is None]:
+        proc.stop()
+    settings = build_settings({}, environ={})
+    client = redis_client.Redis(port=stack["redis_port"])
+    good = {pod: PodRecord.from_json(client.get(pod_key(settings, pod))) for pod in pods[:2]}
+    client.set(pod_key(settings, pods[2]), b'{"pod": "' + pods[2].encode() + b'", "metrics": {"kv_cache_usage": NaN')
+    client.hset(snapshot_key(settings.key_prefix), mapping={"c": b"\x00\xff garbage", "n": b"not a number"})
+    client.xadd(changes_key(settings.key_prefix), {"c": b"\xff" * 7, "n": b"x", "e": b"?"})
+    stop = threading.Event()
+
+    def keep_fresh():
+        while not stop.is_set():
+            for pod, record in good.items():
+                client.set(pod_key(settings, pod), PodRecord(pod, time.time(), record.metrics).to_json())
+            stop.wait(0.1)
+
+    feeder = threading.Thread(target=keep_fresh, daemon=True)
+    feeder.start()
+    try:
+        time.sleep(settings.stale_after_ms / 1000 + 0.5)  # refreshes through the garbage, past the last good record
+        decisions = Decisions(stack["proxy_proc"])
+        served = [chat(stack, "sql-lora", f"corrupted state question {i}?") for i in range(12)]
+        assert decisions.count() == len(served)  # each one the rules' decision: the refresh kept going
+        assert pods[2] not in served and set(served) <= set(pods[:2])
+        assert "snapshot in Redis cannot be read" in stack["proxy_proc"].log()
+    finally:
+        stop.set()
+        feeder.join()

@@ -665,6 +665,31 @@ def test_tokenizing_on_the_request_path_stops_at_prefix_max_chars(tmp_path, monk
     assert chat[:-1] == whole[:len(chat) - 1]  # the same blocks, but for the one a token cut may straddle
 
 
+def test_a_chat_is_rendered_only_as_far_as_its_first_prefix_max_chars_and_reads_the_same(tmp_path):
+    """A 10 MB message, or 10,000 messages, through the chat template: each text cut at the cap and no message after
+    the texts fill it is rendered (what the template would render of the rest lies past the cap anyway)."""
+    from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE
+    from lora_affinity_plugin.tokenization import PromptTokenizer
+
+    _train_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    tokenizer = PromptTokenizer(str(tmp_path / "tokenizer.json"), str(tmp_path / "chat.jinja"))
+    rendered: list[int] = []
+    real = tokenizer._template.render
+    tokenizer._template.render = lambda **kw: rendered.append(len(kw["messages"])) or real(**kw)
+    cap = 4_096
+    system = {"role": "system", "content": "billing rules weather " * 100}
+    many = [system] + [{"role": "user" if i % 2 else "assistant", "content": f"question {i} " * 5} for i in range(10_000)]
+    chats = tokenizer.chains(7, many, BS, max_chars=cap)
+    assert rendered[-1] < 200  # the messages that fill the cap, not 10,000
+    uncut = PromptTokenizer(str(tmp_path / "tokenizer.json"), str(tmp_path / "chat.jinja"))
+    (whole,) = uncut.chains(7, many[:300], BS, max_chars=cap)  # (the full rendering's head, cut alike)
+    assert chats == [whole]
+    huge = [{"role": "user", "content": "weather answer " * 700_000}]  # about 10 MB
+    cut = tokenizer.chains(7, huge, BS, max_chars=cap)
+    assert cut == uncut.chains(7, [{"role": "user", "content": huge[0]["content"][:cap]}], BS, max_chars=cap)
+
+
 async def test_a_restart_whose_first_batches_were_missed_is_seen_by_a_newer_batch_with_a_lower_number():
     subscriber = KVEventSubscriber({"p": EventEndpoints("tcp://127.0.0.1:1")})
     stream, ep = subscriber.streams["p"], subscriber.endpoints["p"]

@@ -171,7 +171,11 @@ def apply_entries(held: HeldBlocks, epoch: bytes, entries: Iterable[tuple[Any, M
     for entry_id, fields in entries:
         if held.number is None:
             break
-        number = int(fields.get(b"n", -1))
+        try:
+            number = int(fields[b"n"])
+        except (KeyError, TypeError, ValueError):  # unreadable: which change set it is cannot be known
+            held.number = None
+            break
         if fields.get(b"e") != epoch or number != held.number + 1:
             if fields.get(b"e") == epoch and number <= held.number:
                 continue  # (written before the snapshot this copy loaded)

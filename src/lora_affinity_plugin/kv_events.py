@@ -115,7 +115,7 @@ def _event(raw: Any) -> KVEvent:
         kind = raw[0]
     else:
         raise KVEventFormatError(f"an event is a tagged map or array, got {raw!r:.80}")
-    if kind not in _FIELDS:
+    if not isinstance(kind, str) or kind not in _FIELDS:
         raise KVEventFormatError(f"unknown event type {kind!r}; known: {', '.join(_FIELDS)}")
     fields = _fields(raw, _FIELDS[kind], kind, tagged=True)
     missing = [name for name in _FIELDS[kind][:_REQUIRED[kind]] if name not in fields]

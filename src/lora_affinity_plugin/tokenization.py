@@ -26,7 +26,7 @@ import logging
 from array import array
 from collections import OrderedDict
 from functools import lru_cache
-from typing import Any, Generic, Hashable, Mapping, TypeVar
+from typing import Any, Generic, Hashable, Mapping, Sequence, TypeVar
 
 from .prefixes import MAX_MESSAGES
 from .token_blocks import chain_keys
@@ -63,18 +63,23 @@ class PromptTokenizer:
         first `max_chars` characters of each reading are tokenized (`prefix_max_chars`, as the inferred index
         hashes): the request path's work stays bounded whatever a prompt's size."""
         return [self._keys(seed, head, tail, special, block_size)
-                for head, tail, special in _capped(self._parts(messages), max_chars)]
+                for head, tail, special in _capped(self._parts(messages, max_chars), max_chars)]
 
     def candidates(self, messages: Any) -> list[list[int]]:
         """The token ids of those same readings (`chains` without the keys)."""
         return [self._ids(head, special).tolist() + (self.encode(tail, False) if tail else [])
                 for head, tail, special in self._parts(messages)]
 
-    def _parts(self, messages: Any) -> list[tuple[str, str, bool]]:
-        """Each reading as (head, tail, with special tokens); a chat of its first `MAX_MESSAGES` messages."""
+    def _parts(self, messages: Any, max_chars: int | None = None) -> list[tuple[str, str, bool]]:
+        """Each reading as (head, tail, with special tokens); a chat of its first `MAX_MESSAGES` messages. With
+        `max_chars`, only what can reach the first `max_chars` characters is rendered: each text cut there, and no
+        message after the texts already fill them (the work stays bounded whatever the body's size)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             return []
-        messages = messages[:MAX_MESSAGES]
+        several = len(messages) > 1
+        messages = _within(messages[:MAX_MESSAGES], max_chars) if max_chars is not None else messages[:MAX_MESSAGES]
+        if not messages:
+            return []
         out = []
         if self._template is not None and all(isinstance(m, dict) for m in messages):
             try:
@@ -82,8 +87,8 @@ class PromptTokenizer:
             except Exception:  # a template that cannot render this request: no exact match for it
                 text = None
             if text is not None:
-                out.append((*_split(text, messages[0].get("content"), whole=len(messages) > 1), False))
-        if len(messages) == 1 and isinstance(messages[0], dict) and isinstance(messages[0].get("content"), str):
+                out.append((*_split(text, messages[0].get("content"), whole=several), False))
+        if not several and isinstance(messages[0], dict) and isinstance(messages[0].get("content"), str):
             content = messages[0]["content"]
             cut = _paragraph_cut(content)
             out.append((content[:cut], content[cut:], True))
@@ -113,6 +118,22 @@ class PromptTokenizer:
 
     def encode(self, text: str, special: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=special).ids
+
+
+def _within(messages: Sequence[Any], max_chars: int) -> list[Any]:
+    """The messages whose text can reach a rendering's first `max_chars` characters, each text cut there (a
+    rendering holds every text in order, so what lies past them lies past the cut too)."""
+    out, used = [], 0
+    for message in messages:
+        if used >= max_chars:
+            break
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            if len(content) > max_chars:
+                message = {**message, "content": content[:max_chars]}
+            used += len(content)
+        out.append(message)
+    return out
 
 
 def _capped(parts: list[tuple[str, str, bool]], max_chars: int | None) -> list[tuple[str, str, bool]]:
