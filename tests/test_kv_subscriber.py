@@ -453,6 +453,63 @@ async def test_a_proxy_reads_the_change_sets_in_its_one_refresh_round_trip_and_r
     assert held.match("a", [9]) == 1 and held.size("a") == 1
 
 
+async def test_a_large_snapshot_is_written_in_parts_and_read_whole_by_proxies_and_explain(monkeypatch):
+    """Past `SNAPSHOT_PART_BYTES` the snapshot is written one part per command, then the hash naming them; a proxy
+    and `explain` read it whole. A writer of an earlier release that replaces `c`, `e` and `n` but leaves the parts'
+    generation behind is read by its `c`; a reader of an earlier release finds no `c` in a snapshot of parts (it
+    stays on the inferred index, never reads a wrong figure)."""
+    import fakeredis
+
+    from lora_affinity_plugin import exact_share
+    from lora_affinity_plugin.exact_share import PodChange, encode_changes, read_snapshot, snapshot_key
+    from lora_affinity_plugin.fleet import FleetView
+    from lora_affinity_plugin.follower import Follower
+    from lora_affinity_plugin.kv_follow import KVEventSharing
+    from lora_affinity_plugin.lease import lease_key
+    from lora_affinity_plugin.ops import _load_exact_index
+    from lora_affinity_plugin.settings import build_settings
+
+    settings = build_settings({"kv_events": True}, environ={})
+    prefix = settings.key_prefix
+    server = fakeredis.FakeServer()
+    client = fakeredis.aioredis.FakeRedis(server=server)
+    await client.set(lease_key(prefix), "me#1")
+    sharing = KVEventSharing({})
+    sharing.subscriber = KVEventSubscriber({})
+    index = sharing.subscriber.index
+    for pod in ("a", "b", "c"):
+        index.track(pod)
+        index.apply(pod, EventBatch(1.0, tuple(stored([hash((pod, i))], None, [i * 100 + t for t in range(BS)])
+                                               for i in range(40))))
+    monkeypatch.setattr(exact_share, "SNAPSHOT_PART_BYTES", 400)  # about one pod's 40 keys per part
+    commands: list[tuple] = []
+    send = client.execute_command
+
+    async def counted(*args, **options):
+        commands.append(args)
+        return await send(*args, **options)
+
+    client.execute_command = counted
+    await sharing.share(client, prefix, "me#1")
+    snap = await client.hgetall(snapshot_key(prefix))
+    assert b"c" not in snap and int(snap[b"k"]) == 3
+    writes = [args for args in commands if args[0] == "EVALSHA" or args[0] == "EVAL"]
+    assert len(writes) >= 4  # the first change set, 3 parts, the hash: one command each
+    proxy = Follower(settings, FleetView(settings), lambda: ["a", "b", "c"], lambda s: None)
+    await proxy.refresh(client)
+    assert [proxy.fleet.held.size(pod) for pod in ("a", "b", "c")] == [40, 40, 40]
+    fleet = FleetView(settings)
+    _load_exact_index(fakeredis.FakeRedis(server=server), fleet, settings)  # explain's reading, a sync client
+    assert [fleet.held.size(pod) for pod in ("a", "b", "c")] == [40, 40, 40]
+    with pytest.raises(KeyError):  # what an earlier release's reader does with it: KeyError, its inferred index
+        snap[b"c"]
+    # An earlier release's writer replaces c, e, n and i with HSET; the parts' generation no longer matches
+    await client.hset(snapshot_key(prefix), mapping={"e": "OLD", "n": 0, "i": "0-0",
+                                                    "c": encode_changes({"a": PodChange(True, BS, {7})})})
+    changes, number, epoch, _ = read_snapshot(await client.hgetall(snapshot_key(prefix)))
+    assert list(changes) == ["a"] and changes["a"].added == {7} and epoch == b"OLD"
+
+
 async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_when_it_takes_over(monkeypatch):
     """A pod's replay buffer holds 5 batches and it publishes 20 more while the standby waits: one that joined
     only on taking the lease would know the last 5 (and mark the pod partial); the standby knows all of them.

@@ -28,12 +28,79 @@ CHANGE_SETS_PER_REFRESH = 1_000
 """A proxy's refresh reads at most this many change sets; a backlog is read over the next refreshes."""
 
 
+SNAPSHOT_PART_BYTES = 1 << 20
+"""A snapshot past this size is written in parts of whole pods, about this size each, one command per part (one
+write of tens of megabytes would hold Redis up for every client)."""
+SNAPSHOT_PART_TTL_MS = 120_000
+"""How long a part outlives its snapshot: a reader that read the snapshot's header reads its parts well within."""
+
+
 def changes_key(prefix: str) -> str:
     return f"{{{prefix}}}:kv:changes"
 
 
 def snapshot_key(prefix: str) -> str:
     return f"{{{prefix}}}:kv:snapshot"
+
+
+def snapshot_part_key(prefix: str, generation: str, part: int) -> str:
+    return f"{{{prefix}}}:kv:snapshot:{generation}:{part}"
+
+
+def snapshot_parts(snapshot: Mapping[str, PodChange], part_bytes: int | None = None) -> list[bytes]:
+    """The snapshot as change sets of whole pods, each at most about `part_bytes` (`SNAPSHOT_PART_BYTES`; a larger
+    pod alone)."""
+    part_bytes = part_bytes or SNAPSHOT_PART_BYTES
+    parts, current, size = [], {}, 0
+    for pod, change in snapshot.items():
+        pod_bytes = _POD.size + len(pod) + 8 * (len(change.added) + len(change.removed))
+        if current and size + pod_bytes > part_bytes:
+            parts.append(encode_changes(current))
+            current, size = {}, 0
+        current[pod] = change
+        size += pod_bytes
+    parts.append(encode_changes(current))
+    return parts
+
+
+def snapshot_header(epoch: str, number: int, last_id: str, parts: Sequence[bytes]) -> tuple[dict, list[bytes]]:
+    """The snapshot hash's fields and the parts to write under `snapshot_part_key` first: one part goes in the
+    hash itself (`c`, as every release reads it); more are named by generation `g` (`epoch:number`) and count
+    `k`, and a release that reads only `c` finds none (it stays on the inferred index: never a wrong figure)."""
+    header = {"e": epoch, "n": number, "i": last_id}
+    if len(parts) == 1:
+        return {**header, "c": parts[0]}, []
+    return {**header, "g": f"{epoch}:{number}", "k": len(parts)}, list(parts)
+
+
+def snapshot_part_keys(prefix: str, fields: Mapping[bytes, bytes]) -> list[str]:
+    """The part keys a snapshot hash names (none: it holds its one part itself, or names none of this epoch)."""
+    generation = _generation(fields)
+    return [] if generation is None else [snapshot_part_key(prefix, generation, j) for j in range(int(fields[b"k"]))]
+
+
+def read_snapshot(fields: Mapping[bytes, bytes], parts: Sequence[bytes | None] = ()
+                  ) -> tuple[dict[str, PodChange], int, bytes, str]:
+    """(every pod's keys, the change-set number it covers, its epoch, the stream id it continues from) from the
+    snapshot hash and the parts it names (`snapshot_part_keys`, in order). KeyError or ValueError: unreadable."""
+    if _generation(fields) is None:
+        changes = decode_changes(fields[b"c"])
+    else:
+        changes = {}
+        for part in parts:
+            if part is None:
+                raise ValueError("a snapshot part has expired")
+            changes.update(decode_changes(part))
+    return changes, int(fields[b"n"]), fields[b"e"], fields[b"i"].decode()
+
+
+def _generation(fields: Mapping[bytes, bytes]) -> str | None:
+    """The parts' generation, when it is this header's (a writer of an earlier release replaces `c`, `e` and `n`
+    but leaves `g`: a generation of another epoch or number is not this snapshot's)."""
+    generation = fields.get(b"g")
+    if generation is None or generation != fields.get(b"e", b"") + b":" + fields.get(b"n", b""):
+        return None
+    return generation.decode()
 
 
 @dataclass(slots=True)

@@ -17,7 +17,8 @@ from typing import Callable
 from .clock import RedisClock, redis_seconds
 
 from .discovery import decode_served, served_models_key
-from .exact_share import CHANGE_SETS_PER_REFRESH, apply_entries, changes_key, decode_changes, snapshot_key
+from .exact_share import (CHANGE_SETS_PER_REFRESH, apply_entries, changes_key, read_snapshot, snapshot_key,
+                          snapshot_part_keys)
 from .episodes import Episode
 from .fleet import FleetView
 from .inflight import (
@@ -232,17 +233,24 @@ class Follower:
     async def _load_exact(self, client) -> None:
         """The exact index's snapshot, when this process has none or missed a change set (`exact_share.py`); the
         change sets after it come with the next refresh."""
+        prefix = self.base.key_prefix
         try:
-            snap = await client.hgetall(snapshot_key(self.base.key_prefix))
+            snap = await client.hgetall(snapshot_key(prefix))
+            keys = snapshot_part_keys(prefix, snap)
+            parts = await client.mget(keys) if keys else []
         except asyncio.CancelledError:
             raise
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:  # a header naming no readable parts
+            self.fleet.held.number = None
+            self._bad_snapshot.fail(f"{type(exc).__name__}: {exc}")
+            return
         except Exception as exc:
             self._redis_down.fail(type(exc).__name__)
             return
         if snap:
             try:
-                self.fleet.held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
-                self.kv_epoch, self.kv_id = snap[b"e"], snap[b"i"].decode()
+                changes, number, self.kv_epoch, self.kv_id = read_snapshot(snap, parts)
+                self.fleet.held.load(changes, number)
             except (KeyError, ValueError, UnicodeDecodeError) as exc:  # the pods stay on the inferred index
                 self.fleet.held.number = None
                 self._bad_snapshot.fail(f"{type(exc).__name__}: {exc}")

@@ -16,7 +16,8 @@ from typing import Any, Collection, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from .exact_index import ExactIndex
-from .exact_share import changes_key, encode_changes, snapshot_key
+from .exact_share import (SNAPSHOT_PART_TTL_MS, changes_key, encode_changes, snapshot_header, snapshot_key,
+                          snapshot_part_key, snapshot_parts)
 from .kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from .kv_subscriber import EventEndpoints, KVEventSubscriber
 from .lease import fenced_write
@@ -206,10 +207,18 @@ class KVEventSharing:
             self._last_id = _text(written)
         if time.monotonic() >= self._next_snapshot:
             self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
-            await fenced_write(client, prefix, holder, "hset", snapshot_key(prefix), {
-                "e": self._epoch, "n": self._number - 1, "i": self._last_id, "c": encode_changes(index.snapshot())})
+            await self._write_snapshot(client, prefix, holder, snapshot_parts(index.snapshot()))
         if time.monotonic() >= self._next_checkpoint and await self.write_checkpoints(client, prefix):
             self._next_checkpoint = time.monotonic() + CHECKPOINT_EVERY_S
+
+    async def _write_snapshot(self, client, prefix: str, holder: str, parts: list[bytes]) -> None:
+        """The parts first, one command each, then the hash that names them (`exact_share.snapshot_header`)."""
+        header, named = snapshot_header(self._epoch, self._number - 1, self._last_id, parts)
+        for j, part in enumerate(named):
+            key = snapshot_part_key(prefix, header["g"], j)
+            if await fenced_write(client, prefix, holder, "set", key, {"v": part}, SNAPSHOT_PART_TTL_MS) is None:
+                return  # another worker leads now
+        await fenced_write(client, prefix, holder, "hreplace", snapshot_key(prefix), header)
 
     async def write_checkpoints(self, client, prefix: str) -> bool:
         """Each followed pod's checkpoint whose stream moved since this term last wrote it (False: none had, try

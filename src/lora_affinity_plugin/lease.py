@@ -47,14 +47,21 @@ local unpack = unpack or table.unpack
 if ARGV[2] == 'xadd' then
   return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
 end
+if ARGV[2] == 'set' then
+  return redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[3])
+end
+if ARGV[2] == 'hreplace' then
+  redis.call('DEL', KEYS[2])
+end
 redis.call('HSET', KEYS[2], unpack(ARGV, 4))
 return 'OK'
 """
 
 
 async def fenced_write(client, prefix: str, holder: str, op: str, key: str, fields: dict, maxlen: int = 0):
-    """`XADD` or `HSET` of `fields` into `key`, only while `holder` (worker#token) holds the scraper lease: one Lua
-    call, so a former leader paused past its lease cannot write the KV index's change sets or snapshot over its
+    """`XADD` (capped at `maxlen`), `HSET`, `hreplace` (the hash replaced by `fields`) or `set` (the one field's
+    value, expiring after `maxlen` ms) into `key`, only while `holder` (worker#token) holds the scraper lease: one
+    Lua call, so a former leader paused past its lease cannot write the KV index's change sets or snapshot over its
     successor's. None when another worker holds the lease (nothing written); else the entry id or "OK"."""
     flat = [str(part) if not isinstance(part, (bytes, str)) else part for pair in fields.items() for part in pair]
     return await client.eval(_FENCED_WRITE, 2, lease_key(prefix), key, holder, op, maxlen, *flat)

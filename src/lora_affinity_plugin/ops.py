@@ -25,7 +25,7 @@ from .fleet import FleetView
 from .inflight import prefix_stream_key, read_shared_tables
 from .lease import lease_key
 from .pods import discover_pods
-from .exact_share import apply_entries, changes_key, decode_changes, snapshot_key
+from .exact_share import apply_entries, changes_key, read_snapshot, snapshot_key, snapshot_part_keys
 from .prefix_index import decode_entries
 from .profiles import BUILT_IN, STEP_KINDS, describe, part_names
 from .scheduling import SchedulingError, choose_pod
@@ -386,11 +386,14 @@ def _explained_messages(args: argparse.Namespace) -> list | None:
 
 def _load_exact_index(client: redis.Redis, fleet: FleetView, settings: Settings) -> None:
     """What the engines report their caches hold, as the proxies read it (the snapshot and the changes since)."""
-    snap = client.hgetall(snapshot_key(settings.key_prefix))
+    prefix = settings.key_prefix
+    snap = client.hgetall(snapshot_key(prefix))
     if not snap:
         return
-    fleet.held.load(decode_changes(snap[b"c"]), int(snap[b"n"]))
-    apply_entries(fleet.held, snap[b"e"], client.xrange(changes_key(settings.key_prefix), min=snap[b"i"].decode()))
+    keys = snapshot_part_keys(prefix, snap)
+    changes, number, epoch, last_id = read_snapshot(snap, client.mget(keys) if keys else [])
+    fleet.held.load(changes, number)
+    apply_entries(fleet.held, epoch, client.xrange(changes_key(prefix), min=last_id))
 
 
 def _replay_shared_prefixes(client: redis.Redis, fleet: FleetView, settings: Settings) -> None:
