@@ -663,6 +663,62 @@ async def test_vllms_own_publisher_is_followed_exactly_through_a_late_join_a_los
         publisher.shutdown()
 
 
+@pytest.mark.parametrize("release", __import__("vllm_wheels").releases())
+async def test_vllms_data_parallel_ranks_are_each_followed_and_a_pod_holds_what_any_rank_holds(release):
+    """Two ranks of one pod, each vLLM's own publisher (rank 1 on the endpoints' ports + 1, as vLLM offsets them):
+    `kv_events_data_parallel_size: 2` follows both; the shared change set carries each rank's keys, and a proxy
+    matches the pod by its best rank; a rank's removal does not take the other rank's copy."""
+    import vllm_wheels
+
+    from lora_affinity_plugin.exact_share import HeldBlocks, decode_changes, encode_changes
+    from lora_affinity_plugin.kv_follow import event_endpoints, offset_endpoint
+    from lora_affinity_plugin.settings import build_settings
+
+    vllm = vllm_wheels.publisher_module(release)
+    fields = set(vllm.BlockStored.__struct_fields__)
+    pub, replay = free_port_range(2), free_port_range(2)
+    for endpoint, rank in ((f"tcp://*:{pub}", 1), ("tcp://127.0.0.1:5557", 3), ("inproc://cache", 2)):
+        assert offset_endpoint(endpoint, rank) == vllm.ZmqEventPublisher.offset_endpoint_port(endpoint, rank)
+    publishers = [vllm.ZmqEventPublisher(data_parallel_rank=rank, endpoint=f"tcp://*:{pub}",
+                                         replay_endpoint=f"tcp://127.0.0.1:{replay}", buffer_steps=100)
+                  for rank in (0, 1)]
+    pod = "http://10.0.0.7:8000"
+    settings = build_settings({"kv_events": True, "kv_events_endpoint": f"tcp://127.0.0.1:{pub}",
+                               "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}"}, environ={})
+    model_list = [{"model_name": "m", "litellm_params": {"model": "hosted_vllm/m", "api_base": pod + "/v1"},
+                   "model_info": {"kv_events_data_parallel_size": 2}}]
+    endpoints = event_endpoints(model_list, [pod], settings)
+    assert sorted(endpoints) == [pod, pod + "#dp1"]
+    assert endpoints[pod + "#dp1"].publisher == f"tcp://127.0.0.1:{pub + 1}"
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(4)]
+
+    def stored_by(hashes, tokens):
+        values = dict(block_hashes=list(hashes), parent_block_hash=None, token_ids=list(tokens), block_size=BS,
+                      lora_id=None, medium="GPU", lora_name=None, extra_keys=None)
+        return vllm.BlockStored(**{k: v for k, v in values.items() if k in fields})
+
+    subscriber = KVEventSubscriber(endpoints)
+    stop = asyncio.Event()
+    follow = asyncio.create_task(subscriber.run(stop))
+    try:
+        publishers[0].publish(vllm.KVEventBatch(ts=time.time(), events=[stored_by([1], prompts[0]),
+                                                                        stored_by([2], prompts[2])]))
+        publishers[1].publish(vllm.KVEventBatch(ts=time.time(), events=[stored_by([1], prompts[1]),
+                                                                        stored_by([2], prompts[2])]))
+        publishers[1].publish(vllm.KVEventBatch(ts=time.time(), events=[vllm.BlockRemoved(block_hashes=[2],
+                                                                                          medium="GPU")]))
+        await _until(lambda: subscriber.streams[pod].last_seq == 0 and subscriber.streams[pod + "#dp1"].last_seq == 1)
+        held = HeldBlocks()
+        held.load(decode_changes(encode_changes(subscriber.index.snapshot())), 0)  # as a proxy reads them
+        assert held.has(pod) and held.size(pod) == 3
+        assert [held.match(pod, keys(p)) for p in prompts] == [1, 1, 1, 0]  # rank 0's, rank 1's, rank 0's copy
+    finally:
+        stop.set()
+        await follow
+        for publisher in publishers:
+            publisher.shutdown()
+
+
 async def test_a_live_copy_of_batch_zero_after_its_replay_is_no_restart_but_a_new_servers_batch_zero_is():
     """A subscriber that joins while the server sends its first batch gets it twice: by replay, then live."""
     subscriber = KVEventSubscriber({"p": EventEndpoints("tcp://127.0.0.1:1")})

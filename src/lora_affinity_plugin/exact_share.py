@@ -35,6 +35,20 @@ SNAPSHOT_PART_TTL_MS = 120_000
 """How long a part outlives its snapshot: a reader that read the snapshot's header reads its parts well within."""
 
 
+RANK_MARK = "#dp"
+"""A data-parallel rank's index is kept under its pod's key plus this and the rank (rank 0 under the pod's own): each
+rank is an engine of its own, with its own cache and event stream, behind the pod's one API server."""
+
+
+def rank_key(pod: str, rank: int) -> str:
+    return pod if rank == 0 else f"{pod}{RANK_MARK}{rank}"
+
+
+def rank_pod(key: str) -> str:
+    """The pod a rank's key belongs to (a pod's own key: itself)."""
+    return key.split(RANK_MARK, 1)[0]
+
+
 def changes_key(prefix: str) -> str:
     return f"{{{prefix}}}:kv:changes"
 
@@ -176,12 +190,16 @@ class HeldBlocks:
         self._keys: dict[str, set[int]] = {}
         self._block_size: dict[str, int] = {}
         self._partial: set[str] = set()
+        self._ranks: dict[str, list[str]] = {}
+        """Per pod, its data-parallel ranks' keys past rank 0 (`rank_key`): a pod holds what any of its ranks holds."""
         self.number: int | None = None
         """The last change set applied (-1: none yet after the snapshot; None: no snapshot loaded)."""
 
     def apply(self, changes: Mapping[str, PodChange]) -> None:
         for pod, change in changes.items():
             keys = self._keys.get(pod)
+            if keys is None and RANK_MARK in pod:
+                self._ranks.setdefault(rank_pod(pod), []).append(pod)
             if keys is None or change.cleared:
                 keys = self._keys[pod] = set()
                 self._partial.discard(pod)
@@ -198,36 +216,43 @@ class HeldBlocks:
         self._keys.clear()
         self._block_size.clear()
         self._partial.clear()
+        self._ranks.clear()
         self.apply(snapshot)
         self.number = number
 
+    def _own(self, pod: str) -> list[str]:
+        """The pod's keys: its own and its ranks' past 0."""
+        ranks = self._ranks.get(pod)
+        return [pod, *ranks] if ranks else [pod]
+
     def has(self, pod: str) -> bool:
-        return pod in self._keys
+        return pod in self._keys or pod in self._ranks
 
     def block_size(self, pod: str) -> int | None:
-        return self._block_size.get(pod)
+        return next((size for key in self._own(pod) if (size := self._block_size.get(key))), None)
 
     def partial(self, pod: str) -> bool:
-        """Whether the pod's keys may be missing some its engine holds (then they are a floor, not the truth)."""
-        return pod in self._partial
-
-    def pods(self) -> Iterable[str]:
-        return self._keys.keys()
+        """Whether the pod's keys may be missing some its engines hold (then they are a floor, not the truth)."""
+        return any(key in self._partial for key in self._own(pod))
 
     def size(self, pod: str) -> int:
-        return len(self._keys.get(pod, ()))
+        return sum(len(self._keys.get(key, ())) for key in self._own(pod))
 
     def match(self, pod: str, keys: Sequence[int]) -> int:
-        """How many leading blocks of a prompt's chain `pod` holds."""
-        held = self._keys.get(pod)
-        if not held:
-            return 0
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
+        """How many leading blocks of a prompt's chain `pod` holds: on its best rank (vLLM's server hands a request
+        to one rank by load, so this is the most the pod can offer)."""
+        return max(_leading(self._keys.get(key), keys) for key in self._own(pod))
+
+
+def _leading(held: set[int] | None, keys: Sequence[int]) -> int:
+    if not held:
+        return 0
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
 
 
 def apply_entries(held: HeldBlocks, epoch: bytes, entries: Iterable[tuple[Any, Mapping[bytes, bytes]]]) -> str | None:

@@ -16,14 +16,14 @@ from typing import Any, Collection, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from .exact_index import ExactIndex
-from .exact_share import (SNAPSHOT_PART_TTL_MS, changes_key, encode_changes, snapshot_header, snapshot_key,
-                          snapshot_part_key, snapshot_parts)
+from .exact_share import (SNAPSHOT_PART_TTL_MS, changes_key, encode_changes, rank_key, rank_pod, snapshot_header,
+                          snapshot_key, snapshot_part_key, snapshot_parts)
 from .kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from .kv_subscriber import EventEndpoints, KVEventSubscriber
 from .lease import fenced_write
 from .metrics import KV_EVENTS_BATCHES, KV_EVENTS_DROPPED, KV_EVENTS_GAPS, KV_EVENTS_LAG, KV_INDEX_BLOCKS, KV_INDEX_PARTIAL
 from .pods import deployment_pod
-from .settings import Settings
+from .settings import MAX_DATA_PARALLEL_RANKS, Settings
 from .store import PodRecord
 
 logger = logging.getLogger("lora_affinity.kv_events")
@@ -39,15 +39,20 @@ CHECKPOINTS_PER_WRITE = 8
 """Pods per HSET: a command of a few MB, not one of every pod's (tens of MB would hold Redis up for the proxies)."""
 
 
+_OVERRIDES = ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_data_parallel_size")
+"""What a deployment's `model_info` may set for its pod."""
+
+
 def event_endpoints(model_list: Sequence[Mapping[str, Any]], pods: Sequence[str],
                     settings: Settings) -> dict[str, EventEndpoints]:
     """Each scraped pod's event sockets: the settings' templates with the pod's host, or its deployment's
-    `model_info.kv_events_endpoint` / `kv_events_replay_endpoint` (an empty one: that pod publishes none)."""
+    `model_info.kv_events_endpoint` / `kv_events_replay_endpoint` (an empty one: that pod publishes none); one pair
+    per data-parallel rank (`kv_events_data_parallel_size`), keyed by `exact_share.rank_key`."""
     overrides: dict[str, dict[str, Any]] = {}
     for deployment in model_list:
         pod = deployment_pod(deployment)
         info = deployment.get("model_info") or {}
-        if pod and isinstance(info, dict) and ("kv_events_endpoint" in info or "kv_events_replay_endpoint" in info):
+        if pod and isinstance(info, dict) and any(name in info for name in _OVERRIDES):
             overrides[pod] = info
     out = {}
     for pod in pods:
@@ -57,9 +62,35 @@ def event_endpoints(model_list: Sequence[Mapping[str, Any]], pods: Sequence[str]
         replay = info.get("kv_events_replay_endpoint", settings.kv_events_replay_endpoint)
         if not publisher:
             continue
-        out[pod] = EventEndpoints(str(publisher).format(host=host), str(replay).format(host=host) if replay else None,
-                                  settings.kv_events_topic)
+        publisher, replay = str(publisher).format(host=host), str(replay).format(host=host) if replay else None
+        for rank in range(_ranks(info.get("kv_events_data_parallel_size"), settings.kv_events_data_parallel_size)):
+            out[rank_key(pod, rank)] = EventEndpoints(offset_endpoint(publisher, rank), offset_endpoint(replay, rank),
+                                                      settings.kv_events_topic)
     return out
+
+
+def _ranks(given: Any, default: int) -> int:
+    """A deployment's `model_info.kv_events_data_parallel_size`, or the settings' (a bad value: the settings')."""
+    if isinstance(given, int) and not isinstance(given, bool) and 1 <= given <= MAX_DATA_PARALLEL_RANKS:
+        return given
+    if given is not None:
+        logger.warning("kv_events_data_parallel_size %r is not a whole number from 1 to %d: %d used", given,
+                       MAX_DATA_PARALLEL_RANKS, default)
+    return default
+
+
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Where vLLM's data-parallel rank `rank` publishes, given rank 0's endpoint: the TCP port plus the rank, or the
+    name with `_dp<rank>` for inproc (vLLM's `ZmqEventPublisher.offset_endpoint_port`, which refuses any other kind
+    for a rank past 0)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        return endpoint
+    return f"{head}:{int(port) + rank}"
 
 
 class KVEventSharing:
@@ -93,7 +124,7 @@ class KVEventSharing:
         """`start`, reading the pods' checkpoints first when nothing is followed yet: a scraper that starts, or a
         standby that starts following, resumes each pod where the last lease holder stood. Without Redis it starts
         anyway, from the pods' replay buffers."""
-        if self._task is None and any(pod in proven for pod in self.endpoints):
+        if self._task is None and any(rank_pod(key) in proven for key in self.endpoints):
             try:
                 raw = await client.hgetall(checkpoints_key(prefix))
             except Exception as exc:
@@ -114,11 +145,11 @@ class KVEventSharing:
     def start(self, proven: Collection[str]) -> None:
         """Follow the proven pods' events (a hosted provider's api_base is never proven: it gets no connection)."""
         if self._task is not None:
-            for pod in proven:
-                if pod in self.endpoints:
-                    self.subscriber.add(pod, self.endpoints[pod], self._checkpoints.pop(pod, None))
+            for key, endpoints in self.endpoints.items():
+                if rank_pod(key) in proven:
+                    self.subscriber.add(key, endpoints, self._checkpoints.pop(key, None))
             return
-        followed = {pod: ep for pod, ep in self.endpoints.items() if pod in proven}
+        followed = {key: ep for key, ep in self.endpoints.items() if rank_pod(key) in proven}
         if not followed:
             return
         checkpoints = {pod: self._checkpoints.pop(pod) for pod in followed if pod in self._checkpoints}
@@ -176,12 +207,15 @@ class KVEventSharing:
         past that are ones whose removal was lost; forgetting them is counted (`kind="beyond_engine"`)."""
         if self.subscriber is None:
             return
+        by_pod: dict[str, list[str]] = {}
+        for key in self.subscriber.streams:
+            by_pod.setdefault(rank_pod(key), []).append(key)
         for record in records:
             blocks = record.metrics.num_gpu_blocks if record.metrics is not None else None
-            if blocks and record.pod in self.subscriber.streams:
-                forgotten = self.subscriber.index.bound(record.pod, blocks)
+            for key in by_pod.get(record.pod, ()) if blocks else ():  # (each rank: an engine with that many)
+                forgotten = self.subscriber.index.bound(key, blocks)
                 if forgotten:
-                    KV_EVENTS_DROPPED.labels(record.pod, "beyond_engine").inc(forgotten)
+                    KV_EVENTS_DROPPED.labels(key, "beyond_engine").inc(forgotten)
 
     async def share(self, client, prefix: str, holder: str) -> None:
         """This interval's changes into the stream; every few seconds a snapshot the stream continues from. Both

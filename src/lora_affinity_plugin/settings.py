@@ -28,6 +28,8 @@ from pydantic import (
 from .connection import SCHEMES, parse_redis_url
 
 ENV_PREFIX = "LORA_AFFINITY_"
+MAX_DATA_PARALLEL_RANKS = 64
+"""The most data-parallel ranks a pod's KV events are followed for (`kv_events_data_parallel_size`)."""
 # Per-model-group overrides may change how a group is routed, not where Redis is or how pods are scraped.
 GROUP_SETTINGS = ("enabled", "shadow", "queueing_threshold_lora", "lora_affinity_threshold", "kv_cache_threshold", "queue_threshold_critical",
                   "rule_set", "spill_queue_margin", "cost_band_ms", "cost_band_ratio", "band_width", "disabled_rules", "shedding",
@@ -198,6 +200,10 @@ class Settings(BaseModel):
     """Each pod's replay socket, which refills a gap in its sequence (`model_info.kv_events_replay_endpoint`)."""
     kv_events_topic: str = ""
     """The topic the pods publish under (vLLM's `topic`)."""
+    kv_events_data_parallel_size: int = Field(1, ge=1, le=MAX_DATA_PARALLEL_RANKS)
+    """Each pod's data-parallel ranks (vLLM's `--data-parallel-size`): rank r publishes on the endpoints' port + r
+    (ipc and inproc: the name + `_dp<r>`), and a pod holds what any of its ranks holds
+    (`model_info.kv_events_data_parallel_size` overrides it)."""
     tokenizers: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per model group (`*` wildcards), the files a gateway needs to name a prompt's blocks as its engine does:
     `{tokenizer: PATH/tokenizer.json, chat_template: PATH}` (the chat template the engine applies, Jinja; absent:
@@ -277,7 +283,7 @@ class Settings(BaseModel):
 RESTART_ONLY = frozenset({"redis_url", "key_prefix", "embedded_scraper", "metrics_path", "max_page_bytes",
                           "adapter_info_key", "metrics_bearer_token", "metrics_token_pods", "rule_modules",
                           "kv_events", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
-                          "tokenizers"})
+                          "kv_events_data_parallel_size", "tokenizers"})
 LIVE_SETTINGS = tuple(name for name in Settings.model_fields if name not in RESTART_ONLY)
 
 
