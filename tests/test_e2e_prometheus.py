@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ def stack(tmp_path_factory):
                                                             if p not in (base, base + 1)) for _ in range(4))
     pods = [base, base + 1]
     procs: list[Proc] = []
-    store = redis_server(redis_port, tmp)
+    state = {"redis": redis_server(redis_port, tmp)}
     try:
         events, replay = free_port_range(2), free_port_range(2)  # the replicas publish KV events (the dashboard's lag)
         procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "2",
@@ -60,12 +61,14 @@ def stack(tmp_path_factory):
         config["litellm_settings"]["require_auth_for_metrics_endpoint"] = False
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))
-        procs.append(lora_affinity(["scrape", "--config", str(path), "--metrics-port", str(scraper_port)], tmp,
-                                   "scraper"))
+        scraper_args = ["scrape", "--config", str(path), "--metrics-port", str(scraper_port)]
+        procs.append(lora_affinity(scraper_args, tmp, "scraper"))
         procs.append(litellm_proxy(path, proxy_port, tmp))
-        scrape = {"scrape_interval": "1s", "scrape_timeout": "900ms"}
+        scrape = {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"}
+        (tmp / "rules.yaml").write_text(yaml.safe_dump(_drill_rules()))
         (tmp / "prometheus.yml").write_text(yaml.safe_dump({
             "global": scrape,
+            "rule_files": [str(tmp / "rules.yaml")],
             "scrape_configs": [
                 {"job_name": "litellm", "metrics_path": "/metrics/",
                  "static_configs": [{"targets": [f"127.0.0.1:{proxy_port}"]}]},
@@ -79,11 +82,12 @@ def stack(tmp_path_factory):
         load = _load(f"http://127.0.0.1:{proxy_port}", path, pods)
         _scraped_since(f"http://127.0.0.1:{prom_port}", time.time() + 0.5)
         yield {"proxy": f"http://127.0.0.1:{proxy_port}", "prometheus": f"http://127.0.0.1:{prom_port}",
-               "config": path, "load": load}
+               "config": path, "load": load, "procs": procs, "scraper_args": scraper_args, "state": state,
+               "redis_port": redis_port, "tmp": tmp}
     finally:
         for proc in reversed(procs):
             proc.stop()
-        store.stop()
+        state["redis"].stop()
 
 
 def _complete(proxy: str, i: int, *, sheddable: bool = False, tokens: int = 8) -> int:
@@ -185,3 +189,45 @@ def test_every_alert_reads_exported_metrics_and_is_quiet_on_a_healthy_fleet(stac
     # no_capacity_total appears once a 503 happened, which a healthy fleet never gives; the registry has it.
     assert names - {"lora_affinity_no_capacity_total", "lora_affinity_"} <= exported, names - exported
     assert query(stack, rule["expr"]) == [], f"{rule['alert']} fires on a healthy fleet"
+
+
+OUTAGES = {"LoraAffinityNoScraperLeader", "LoraAffinityNoFreshMetrics", "LoraAffinityRedisUnreachable"}
+DRILL_FOR = "5s"
+
+
+def _drill_rules() -> dict:
+    """The shipped rules, the outage alerts' `for:` cut to `DRILL_FOR` (promtool's unit tests hold the shipped
+    durations; the drill proves the expressions fire on real outages and clear after them)."""
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yaml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule["alert"] in OUTAGES:
+                rule["for"] = DRILL_FOR
+    return rules
+
+
+def _firing(stack) -> set[str]:
+    alerts = httpx.get(stack["prometheus"] + "/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
+
+
+def _until(check, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def test_each_outage_fires_its_critical_alert_and_clears_after_recovery(stack):
+    """The drill: the scraper killed, then Redis stopped, on the real Prometheus evaluating the shipped rules. Each
+    outage's critical alert fires, and clears once the part is back. (Last in the module: it breaks the fleet.)"""
+    _until(lambda: not _firing(stack) & OUTAGES)  # a healthy start
+    scraper = next(p for p in stack["procs"] if p.name == "scraper")
+    scraper.stop(signal.SIGKILL)
+    _until(lambda: {"LoraAffinityNoScraperLeader", "LoraAffinityNoFreshMetrics"} <= _firing(stack))
+    stack["procs"].append(lora_affinity(stack["scraper_args"], stack["tmp"], "scraper-back"))
+    _until(lambda: not _firing(stack) & OUTAGES)
+    stack["state"]["redis"].stop()
+    _until(lambda: "LoraAffinityRedisUnreachable" in _firing(stack))
+    stack["state"]["redis"] = redis_server(stack["redis_port"], stack["tmp"])
+    _until(lambda: not _firing(stack) & OUTAGES)

@@ -582,6 +582,12 @@ async def test_a_standby_scraper_follows_the_events_too_so_its_index_is_whole_wh
             publisher.close()
 
 
+def removed_by_vllm(vllm, hashes):
+    """A BlockRemoved as the release declares it (up to 0.10 without `medium`)."""
+    medium = {"medium": "GPU"} if "medium" in vllm.BlockRemoved.__struct_fields__ else {}
+    return vllm.BlockRemoved(block_hashes=list(hashes), **medium)
+
+
 class _Dropping:
     """A publisher's PUB socket that loses the next `n` batches (a subscriber's high-water mark, a reconnect),
     which stay in the publisher's replay buffer."""
@@ -643,7 +649,7 @@ async def test_vllms_own_publisher_is_followed_exactly_through_a_late_join_a_los
             await _until(lambda: stream.last_seq == seq)
         dropping.n = 3
         publisher.publish(batch(stored_by_vllm([900], None, prompts[40], lora="sql-lora")))
-        publisher.publish(batch(vllm.BlockRemoved(block_hashes=[500], medium="GPU")))
+        publisher.publish(batch(removed_by_vllm(vllm, [500])))
         publisher.publish(batch(stored_by_vllm([901], None, prompts[41], salt="tenant-a")))
         publisher.publish(batch(stored_by_vllm([902], None, prompts[42])))  # live: the gap shows
         await _until(lambda: stream.last_seq == seq + 4)
@@ -705,8 +711,7 @@ async def test_vllms_data_parallel_ranks_are_each_followed_and_a_pod_holds_what_
                                                                         stored_by([2], prompts[2])]))
         publishers[1].publish(vllm.KVEventBatch(ts=time.time(), events=[stored_by([1], prompts[1]),
                                                                         stored_by([2], prompts[2])]))
-        publishers[1].publish(vllm.KVEventBatch(ts=time.time(), events=[vllm.BlockRemoved(block_hashes=[2],
-                                                                                          medium="GPU")]))
+        publishers[1].publish(vllm.KVEventBatch(ts=time.time(), events=[removed_by_vllm(vllm, [2])]))
         await _until(lambda: subscriber.streams[pod].last_seq == 0 and subscriber.streams[pod + "#dp1"].last_seq == 1)
         held = HeldBlocks()
         held.load(decode_changes(encode_changes(subscriber.index.snapshot())), 0)  # as a proxy reads them
