@@ -131,6 +131,29 @@ def test_adapter_running_on_b_goes_to_b(stack):
     assert stack.served() == Counter({"B": 8, "A": 0, "C": 0})
 
 
+def test_response_headers_name_the_pod_and_the_branch_only_when_asked(stack):
+    """`response_headers` (a live setting): each routed response, streamed or not, names its pod and the
+    decision's branch; off (the default), no such header."""
+    stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
+    (plain,) = stack.send("sql-lora", 1)
+    assert not any(name.startswith("x-lora-affinity") for name in plain.headers)
+    _cli(stack, "thresholds", "set", "response_headers=true")
+    try:
+        deadline = time.monotonic() + 30
+        while "x-lora-affinity-pod" not in stack.complete("sql-lora").headers:
+            assert time.monotonic() < deadline, "the setting never reached the proxy"
+            time.sleep(SCRAPE_S)
+        for stream in (False, True):
+            response = stack.complete("sql-lora", stream=stream)
+            assert response.status_code == 200
+            assert response.headers["x-lora-affinity-pod"] == stack.pod_url(1)  # where the adapter runs
+            if not stream:  # (LiteLLM names the api_base on a whole response only)
+                assert response.headers["x-litellm-model-api-base"].rstrip("/").removesuffix("/v1") == stack.pod_url(1)
+            assert response.headers["x-lora-affinity-reason"]  # the branch, e.g. affinity
+    finally:
+        _cli(stack, "thresholds", "set", "response_headers=false")
+
+
 def test_pod_over_the_lora_queue_threshold_is_avoided(stack):
     stack.script({**IDLE, "waiting": 1}, {**IDLE, "waiting": 200, "running_adapters": ["sql-lora"]},
                  {**IDLE, "waiting": 1})

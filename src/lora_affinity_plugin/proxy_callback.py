@@ -250,6 +250,18 @@ class ProxyPlugin(CustomLogger):
         except Exception as exc:
             self._counting_failing.fail(f"a refused connection: {type(exc).__name__}: {exc}", exc_info=exc)
 
+    async def async_post_call_response_headers_hook(self, data, user_api_key_dict, response, request_headers=None,
+                                                     litellm_call_info=None):
+        """`response_headers`: where the rules sent the call and why, on its response (None: nothing to add)."""
+        try:
+            reason = self._strategy.take_reason(data.get("litellm_call_id")) if self._strategy and data else None
+        except Exception:  # a header is never worth a failed response
+            return None
+        if reason is None:
+            return None
+        pod, branch = reason
+        return {"x-lora-affinity-pod": pod, "x-lora-affinity-reason": branch}
+
     async def async_post_call_failure_hook(self, request_data, original_exception, user_api_key_dict,
                                            traceback_str=None):
         self._end_call(request_data, "failure")

@@ -106,6 +106,10 @@ class Settings(BaseModel):
     decides beside it, counting where it would have agreed (`lora_affinity_shadow_total`) and how much sooner its
     pick was predicted to start (`lora_affinity_shadow_predicted_gain_seconds`): a team compares on its own
     traffic before switching."""
+    response_headers: bool = False
+    """On: each response the plugin routed names where it went and why, in `x-lora-affinity-pod` and
+    `x-lora-affinity-reason` (the decision's branch, e.g. `prefix` or `affinity`; `explain` and docs/routing.md
+    say what each means). Off by default: a client then learns nothing of the fleet."""
     rule_set: str = "lora-affinity"
     """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, `predicted-ttft` (the least
     predicted time to first token; experimental), `lora-affinity-v1` (the previous one), `gie-v0.2` (the endpoint

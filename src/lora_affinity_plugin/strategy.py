@@ -58,6 +58,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.settings = settings
         self._per_group: dict[str, Settings] = {}
         self._tried: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+        self._reasons: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        """Per call, its last decision's (pod, branch) until its response headers are written (`response_headers`)."""
         """Pods already chosen per litellm_call_id (the same across LiteLLM's retries of one request)."""
         self._shed_calls: OrderedDict[str, None] = OrderedDict()
         """Calls already counted as shed: LiteLLM retries a 429, and a client sees one."""
@@ -226,7 +228,15 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self._decision_counter(decision.branch, _group(model, healthy)).inc()
         if serve is not None:
             return rules_pod, gain
+        if call_id and settings.response_headers:
+            self._reasons[call_id] = (decision.pod, decision.branch)  # (a retry's decision replaces the first)
+            if len(self._reasons) > _TRIED_CALLS:
+                self._reasons.popitem(last=False)
         return healthy[pods.positions[decision.pod]]
+
+    def take_reason(self, call_id: str | None) -> tuple[str, str] | None:
+        """Where the call went and the decision's branch (`response_headers`), once; None: not routed by the rules."""
+        return self._reasons.pop(call_id, None) if call_id else None
 
     def pooled_client(self, call_kwargs: Mapping[str, Any], call_type: Any) -> Any | None:
         """A pooled client for a text completion to a pod this strategy routes; None leaves the call to LiteLLM.
