@@ -126,7 +126,16 @@ def test_a_bad_hand_written_value_is_refused_and_the_last_good_stays(stack):
     for proxy in stack["proxies"]:  # LiteLLM logs JSON (`json_logs`), and so does the plugin
         (line,) = [line for line in proxy.log().splitlines() if "refused live settings" in line][:1]
         assert json.loads(line)["level"] == "ERROR", line
+    # `show` says what each proxy applies beside what Redis holds: both proxies kept version N
+    shown = cli(stack, "show")
+    assert f"proxies: 0 of 2 apply version {current.version + 1}" in shown.stdout, shown.stdout
+    assert shown.stdout.count("WARNING") == 2 and f"applies version {current.version} " in shown.stdout
     cli(stack, "reset")
+    deadline = time.monotonic() + 5
+    while (data := json.loads(cli(stack, "show", "--json").stdout)).get("disagree"):
+        assert time.monotonic() < deadline, data
+        time.sleep(0.1)
+    assert len(data["proxies"]) == 2 and all(v.endswith(f":{data['version']}") for v in data["proxies"].values())
 
 
 def test_a_settings_file_is_applied_once_checked_for_drift_and_every_proxy_follows(stack, tmp_path):

@@ -23,6 +23,7 @@ from .episodes import Episode
 from .fleet import FleetView
 from .inflight import (
     REFRESH_SCRIPT,
+    applied_key,
     decode_shares,
     encode_share,
     inflight_key,
@@ -176,10 +177,11 @@ class Follower:
         try:
             sent = time.time()
             members, raws, stream, redis_now, changes = await client.eval(
-                REFRESH_SCRIPT, 4 + len(reads), members_key(prefix), inflight_key(prefix, self.process),
-                prefix_stream_key(prefix), changes_key(prefix), *reads, self.process, table, ttl_ms, entries,
-                self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH, SHARE_ENTRIES_PER_PROCESS,
-                exact_from, CHANGE_SETS_PER_REFRESH)
+                REFRESH_SCRIPT, 5 + len(reads), members_key(prefix), inflight_key(prefix, self.process),
+                prefix_stream_key(prefix), changes_key(prefix), applied_key(prefix, self.process), *reads, self.process,
+                table, ttl_ms, entries, self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH,
+                SHARE_ENTRIES_PER_PROCESS, exact_from, CHANGE_SETS_PER_REFRESH,
+                f"{self.applied_epoch or '-'}:{self.applied_version}" if self.applied_version else "")
             self.clock.observe(redis_seconds(redis_now), sent, time.time())
         except asyncio.CancelledError:
             raise

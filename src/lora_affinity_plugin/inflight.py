@@ -126,6 +126,20 @@ def prefix_stream_key(prefix: str) -> str:
     return f"{{{prefix}}}:prefixes"
 
 
+def applied_key(prefix: str, process: str) -> str:
+    """Which live settings a proxy process applies (`epoch:version`), while it refreshes (`lora-affinity thresholds
+    show` reads them)."""
+    return f"{{{prefix}}}:applied:{process}"
+
+
+def read_applied(client: Any, prefix: str) -> dict[str, str]:
+    """Per proxy process refreshing now, the live settings it applies (`epoch:version`); a sync client."""
+    start = len(applied_key(prefix, ""))
+    keys = sorted(k.decode() if isinstance(k, bytes) else k for k in client.scan_iter(match=applied_key(prefix, "*")))
+    values = client.mget(keys) if keys else []
+    return {key[start:]: value.decode() for key, value in zip(keys, values) if value is not None}
+
+
 def members_key(prefix: str) -> str:
     return f"{{{prefix}}}:inflight:members"
 
@@ -135,8 +149,9 @@ def members_key(prefix: str) -> str:
 # tag. ARGV: process id, own table ('' = not sharing), table ttl ms, own prefix entries ('' = none), last stream id
 # read ('' = not reading; read inclusively and skipped, so Redis 5 serves it), the stream's least length, entries
 # kept per member process, the last change set id read ('' = not reading; read inclusively, `exact_share.py` skips
-# it), change sets read at most. Returns the members, the values read, the new stream entries, Redis's TIME
-# (`clock.py`) and the change sets.
+# it), change sets read at most, the live settings this process applies ('' = none yet; into KEYS[5], expiring like
+# its table). Returns the members, the values read (KEYS[6] on), the new stream entries, Redis's TIME (`clock.py`)
+# and the change sets.
 REFRESH_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -156,8 +171,11 @@ if ARGV[5] ~= '' then
     table.remove(stream, 1)
   end
 end
+if ARGV[10] ~= '' then
+  redis.call('SET', KEYS[5], ARGV[10], 'PX', ARGV[3])
+end
 local values = {}
-for i = 5, #KEYS do
+for i = 6, #KEYS do
   values[#values + 1] = redis.call('GET', KEYS[i])
 end
 local changes = {}

@@ -22,7 +22,7 @@ from . import live_settings
 from .clock import redis_seconds
 from .connection import sync_client
 from .fleet import FleetView
-from .inflight import prefix_stream_key, read_shared_tables
+from .inflight import prefix_stream_key, read_applied, read_shared_tables
 from .lease import lease_key
 from .pods import discover_pods
 from .exact_share import apply_entries, changes_key, read_snapshot, snapshot_key, snapshot_part_keys
@@ -123,6 +123,7 @@ def run_thresholds(args: argparse.Namespace) -> int:
                 data["refused"] = str(exc)
                 lines[0] += f" REFUSED by every proxy and scraper ({exc}); they keep the last good version"
             lines += [f"  {k} = {v}" for k, v in values.items()]
+            lines += _applied_lines(client, prefix, copy, data)
             _print(args, data, "\n".join(lines))
         elif args.action in ("set", "reset", "rollback"):
             if args.action == "set":
@@ -163,6 +164,24 @@ def run_thresholds(args: argparse.Namespace) -> int:
         print(f"error: Redis at {base.redacted_redis_url()}: {type(exc).__name__}", file=sys.stderr)
         return 4
     return 0
+
+
+def _applied_lines(client: redis.Redis, prefix: str, copy: live_settings.LiveCopy | None, data: dict) -> list[str]:
+    """What each proxy refreshing now applies, beside what Redis holds; a warning for each that differs (a copy it
+    refused, a proxy of another history after Redis lost its data, one that has not refreshed since)."""
+    applied = read_applied(client, prefix)
+    data["proxies"] = applied
+    if not applied:
+        return ["proxies: none refreshing (none started, or all of an earlier release)"]
+    held = f"{copy.epoch or '-'}:{copy.version}" if copy else None
+    agree = sorted(process for process, value in applied.items() if value == held)
+    lines = [f"proxies: {len(agree)} of {len(applied)} apply version {copy.version if copy else 0}"]
+    for process, value in sorted(applied.items()):
+        if value != held:
+            epoch, _, version = value.rpartition(":")
+            data.setdefault("disagree", {})[process] = value
+            lines.append(f"  WARNING {process} applies version {version} (epoch {epoch})")
+    return lines
 
 
 def _apply(args: argparse.Namespace, base: Settings, client: redis.Redis) -> int:
