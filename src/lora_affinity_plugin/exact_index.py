@@ -12,7 +12,7 @@ from typing import Sequence
 
 from .exact_share import PodChange
 from .kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
-from .token_blocks import block_key, chain_seed
+from .token_blocks import block_key, chain_seed, leading
 
 
 @dataclass(slots=True)
@@ -144,22 +144,10 @@ class ExactIndex:
         self._pods[pod] = blocks
         self._changes[pod] = PodChange(True, block_size or 0, set(blocks.keys), partial=partial)
 
-    def forget(self, pods_kept: set[str]) -> None:
-        for pod in [p for p in self._pods if p not in pods_kept]:
-            del self._pods[pod]
-
     def match(self, pod: str, keys: Sequence[int]) -> int:
         """How many leading blocks of a prompt's chain `pod` holds."""
         blocks = self._pods.get(pod)
-        if blocks is None:
-            return 0
-        held = blocks.keys
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return 0 if blocks is None else leading(blocks.keys, keys)
 
     def bound(self, pod: str, engine_blocks: int) -> int:
         """Hold at most the `engine_blocks` blocks the pod's engine has (from its page): past that the index

@@ -15,6 +15,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from .token_blocks import leading
+
 FORMAT = b"K1"
 logger = logging.getLogger(__name__)
 
@@ -241,18 +243,7 @@ class HeldBlocks:
     def match(self, pod: str, keys: Sequence[int]) -> int:
         """How many leading blocks of a prompt's chain `pod` holds: on its best rank (vLLM's server hands a request
         to one rank by load, so this is the most the pod can offer)."""
-        return max(_leading(self._keys.get(key), keys) for key in self._own(pod))
-
-
-def _leading(held: set[int] | None, keys: Sequence[int]) -> int:
-    if not held:
-        return 0
-    n = 0
-    for key in keys:
-        if key not in held:
-            break
-        n += 1
-    return n
+        return max(leading(self._keys.get(key), keys) for key in self._own(pod))
 
 
 def apply_entries(held: HeldBlocks, epoch: bytes, entries: Iterable[tuple[Any, Mapping[bytes, bytes]]]) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from array import array
 from hashlib import blake2b
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 
 def chain_seed(adapter: str | None, salt: str | None) -> int:
@@ -33,3 +33,15 @@ def chain_keys(seed: int, tokens: Sequence[int], block_size: int) -> Iterator[in
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = block_key(parent, tokens[start:start + block_size])
         yield parent
+
+
+def leading(held: Collection[int] | None, keys: Sequence[int]) -> int:
+    """How many of `keys`, from the first, are in `held`: the blocks of a prompt's chain a cache holds."""
+    if not held:
+        return 0
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
