@@ -347,11 +347,14 @@ def test_deployments_map_to_their_pods_first_one_kept_whatever_they_carry():
     a2 = deployment("http://a:8000/v1", "3", name="other")  # the same pod listed again
     no_id = deployment("http://c:8000/v1")
     nowhere = deployment(None, "4")
-    assert index.by_pod([a1, b]) == {"http://a:8000": a1, "http://b:8000": b}
-    assert list(index.by_pod([b, a1, a2])) == ["http://b:8000", "http://a:8000"]
-    assert index.by_pod([b, a1, a2])["http://a:8000"] is a1
-    assert index.by_pod([no_id, nowhere, a2]) == {"http://c:8000": no_id, "http://a:8000": a2}
-    assert index.by_pod([]) == {}
+    def by_pod(healthy):  # pod -> the first of `healthy` on it, in order
+        return {pod: healthy[i] for pod, i in index.pods_of(healthy).positions.items()}
+
+    assert by_pod([a1, b]) == {"http://a:8000": a1, "http://b:8000": b}
+    assert list(by_pod([b, a1, a2])) == ["http://b:8000", "http://a:8000"]
+    assert by_pod([b, a1, a2])["http://a:8000"] is a1
+    assert by_pod([no_id, nowhere, a2]) == {"http://c:8000": no_id, "http://a:8000": a2}
+    assert by_pod([]) == {}
 
     # Kept per list of ids (LiteLLM hands out a new list of copies each time), not for a list with an id-less one;
     # a new model list forgets them all (an id may then name another pod).

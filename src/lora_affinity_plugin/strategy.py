@@ -396,10 +396,6 @@ class _DeploymentIndex:
         """Whether the operator marked one of `pods` a pod (`model_info.lora_affinity_pod: true`)."""
         return any(self._marks.get(pod) for pod in pods)
 
-    def by_pod(self, healthy: list[dict]) -> dict[str, dict]:
-        """pod -> the first of `healthy` on it, in order."""
-        return {pod: healthy[i] for pod, i in self.pods_of(healthy).positions.items()}
-
     def _map(self, healthy: list[dict]) -> _Pods:
         positions: dict[str, int] = {}
         for i, deployment in enumerate(healthy):
