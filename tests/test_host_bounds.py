@@ -9,6 +9,7 @@ import time
 import fakeredis
 import litellm
 
+from lora_affinity_plugin import compat
 from lora_affinity_plugin import follower as follower_module
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.follower import Follower, check_redis_version
@@ -81,7 +82,7 @@ def test_per_name_caches_are_bounded():
         "model": "hosted_vllm/*", "api_base": "http://pod-a:8000/v1"}}])
     strategy = LoraAffinityStrategy(router, S)
     for i in range(_NAMES_CACHED + 100):
-        strategy._index.pods_for_model(router.model_list, f"name-{i}")
+        strategy._index.pods_for_model(compat.model_list(router), f"name-{i}")
         strategy._fallback(f"name-{i}")
     assert len(strategy._index._pods_by_model) == _NAMES_CACHED and len(strategy._fallbacks) == _NAMES_CACHED
 
@@ -111,7 +112,7 @@ async def test_every_release_registers_the_strategy_and_hands_unrouted_groups_ba
     strategy = install(router, S)
     try:
         assert installed_strategy(router) is strategy
-        picked = {(await router.async_get_available_deployment(model="gpt-4o", request_kwargs={}))
+        picked = {(await compat.router_pick(router, "gpt-4o", {}))
                   ["litellm_params"]["model"] for _ in range(40)}
         assert picked == {"openai/gpt-4o", "openai/gpt-4o-mini"}  # LiteLLM's own pick, both deployments
     finally:

@@ -16,6 +16,7 @@ import pytest
 import record_format1
 from page_server import serve_pages
 
+from lora_affinity_plugin import compat
 from lora_affinity_plugin import follower as follower_mod
 from lora_affinity_plugin import scraper as scraper_mod
 from lora_affinity_plugin.clock import RedisClock
@@ -190,8 +191,8 @@ async def test_ages_and_counted_requests_hold_with_clocks_seconds_apart(monkeypa
         await proxy.refresh(redis)
         record = proxy.fleet.record(url("a"))
         # ... so, on the proxy's own clock, between the dispatch and the scrape's end, give or take the offsets'
-        # error (half a round trip each, within the scrape's own duration)
-        slack = scraped_by - proxy_now
+        # error (half the round trip each offset was read in: `RedisClock.error_s`)
+        slack = scraped_by - proxy_now + proxy.clock.error_s + scraper.clock.error_s
         assert proxy_now - slack <= record.scraped_at <= scraped_by + slack, (proxy_now, record.scraped_at, scraped_by)
         (view,) = proxy.fleet.candidates([url("a")], proxy_now + 0.1)
         assert view.waiting == 1 + 1  # the pod's own 1, and the dispatch: the newer scrape came within its lag
@@ -210,7 +211,7 @@ def mixed_router():
     router = litellm.Router(model_list=model_list, num_retries=0)
     settings = build_settings({})
     strategy = LoraAffinityStrategy(router, settings, rng=random.Random(1), fleet=FleetView(settings))
-    router.set_custom_routing_strategy(strategy)
+    compat.register_strategy(router, strategy)
     now = time.time()
     strategy.fleet.update({**{p: PodRecord(p, now, PodMetrics(num_requests_running=1)) for p in PODS},
                            **{h: PodRecord(h, now, None, "HTTP 404 from /metrics") for h in HOSTED}})
@@ -219,12 +220,12 @@ def mixed_router():
 
 async def test_a_hosted_group_with_an_api_base_stays_litellms_with_its_weights():
     router, strategy = mixed_router()
-    picks = [(await router.async_get_available_deployment(model="gpt", request_kwargs={}))["litellm_params"]["api_base"]
+    picks = [(await compat.router_pick(router, "gpt", {}))["litellm_params"]["api_base"]
              for _ in range(200)]
     heavy = picks.count(HOSTED[0] + "/v1")
     assert 160 <= heavy <= 196  # weight 9 of 10: LiteLLM's simple-shuffle, not a uniform pick
     assert strategy.decisions == 0 and strategy.fallbacks == 0
-    await router.async_get_available_deployment(model="sql-lora", request_kwargs={})
+    await compat.router_pick(router, "sql-lora", {})
     assert strategy.decisions == 1  # the pods' group is routed
 
 
@@ -237,13 +238,13 @@ async def test_a_group_that_mixes_pods_and_a_hosted_deployment_goes_to_its_pods_
     router = litellm.Router(model_list=model_list, num_retries=0)
     settings = build_settings({"stale_after_ms": 100, "metrics_ttl_ms": 200})
     strategy = LoraAffinityStrategy(router, settings, rng=random.Random(1), fleet=FleetView(settings))
-    router.set_custom_routing_strategy(strategy)
+    compat.register_strategy(router, strategy)
     now = time.time()
     strategy.fleet.update({**{p: PodRecord(p, now, PodMetrics(num_requests_running=1)) for p in PODS},
                            HOSTED[0]: PodRecord(HOSTED[0], now, None, "HTTP 404 from /metrics")})
 
     async def bases(n):
-        return {(await router.async_get_available_deployment(model="chat", request_kwargs={}))["litellm_params"]["api_base"]
+        return {(await compat.router_pick(router, "chat", {}))["litellm_params"]["api_base"]
                 for _ in range(n)}
 
     assert await bases(40) == {p + "/v1" for p in PODS}
@@ -312,7 +313,6 @@ def logged():
 async def test_a_moved_litellm_internal_is_said_once_and_left_to_litellm(monkeypatch):
     from litellm.proxy import proxy_server
 
-    from lora_affinity_plugin import compat
     from lora_affinity_plugin.proxy_callback import ProxyPlugin
 
     router = litellm.Router(model_list=[{"model_name": "*", "litellm_params": {"model": "hosted_vllm/*",

@@ -14,6 +14,7 @@ import openai
 import pytest
 from litellm.integrations.custom_logger import CustomLogger
 
+from lora_affinity_plugin import compat
 from lora_affinity_plugin import strategy as strategy_module
 from lora_affinity_plugin.pooling import PooledClients
 from lora_affinity_plugin.settings import build_settings
@@ -172,7 +173,7 @@ async def test_only_text_completions_to_routed_pods_get_a_pooled_client():
         {"model_name": "pods", "litellm_params": {"model": "hosted_vllm/m", "api_base": "http://pod-a:8000/v1"}},
         {"model_name": "gpt", "litellm_params": {"model": "openai/gpt-4o"}},
     ])
-    pod, gpt = router.model_list
+    pod, gpt = compat.model_list(router)
     strategy._index.pod(pod)  # what a decision for the pods' group records
     call = {**pod["litellm_params"], "api_key": "k", "timeout": 5.0, "model_info": pod["model_info"]}
     assert strategy.pooled_client(call, "atext_completion") is not None
@@ -188,9 +189,9 @@ async def test_the_plugin_puts_nothing_in_the_routers_cache():
     router, strategy = _routed_router([{"model_name": "pods", "litellm_params": {
         "model": "hosted_vllm/m", "api_base": "http://pod-a:8000/v1"}}])
     before = dict(router.cache.in_memory_cache.cache_dict)
-    strategy._index.pod(router.model_list[0])
-    strategy.pooled_client({**router.model_list[0]["litellm_params"], "api_key": "k", "timeout": 5.0,
-                            "model_info": router.model_list[0]["model_info"]}, "atext_completion")
+    strategy._index.pod(compat.model_list(router)[0])
+    strategy.pooled_client({**compat.model_list(router)[0]["litellm_params"], "api_key": "k", "timeout": 5.0,
+                            "model_info": compat.model_list(router)[0]["model_info"]}, "atext_completion")
     assert router.cache.in_memory_cache.cache_dict == before
     await strategy.pools.aclose()
 
@@ -204,7 +205,6 @@ async def test_reinstalling_keeps_one_pool():
 
 
 def test_a_failure_while_building_a_client_leaves_the_call_to_litellm_and_is_logged_once(monkeypatch, caplog):
-    from lora_affinity_plugin import compat
 
     def broken(kwargs):
         raise RuntimeError("a release without this helper")

@@ -11,6 +11,7 @@ import httpx
 import litellm
 import pytest
 
+from lora_affinity_plugin import compat
 from lora_affinity_plugin import strategy as strategy_mod
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.proxy_callback import ProxyPlugin
@@ -42,13 +43,12 @@ def make(model_list=None, **settings):
     s = build_settings(settings)
     fleet = FleetView(s)
     strat = LoraAffinityStrategy(router, s, rng=random.Random(3), fleet=fleet)
-    router.set_custom_routing_strategy(strat)
+    compat.register_strategy(router, strat)
     return router, strat, fleet
 
 
 async def route(router, model, **kwargs):
-    dep = await router.async_get_available_deployment(model=model, messages=[{"role": "user", "content": "x"}],
-                                                     request_kwargs=kwargs)
+    dep = await compat.router_pick(router, model, kwargs, messages=[{"role": "user", "content": "x"}])
     return dep["litellm_params"]["api_base"].removesuffix("/v1/")
 
 
@@ -68,7 +68,8 @@ async def test_exactly_one_healthy_deployments_call_per_decision(monkeypatch):
     original = getattr(type(router), name)  # on the class: 1.110's router reads it there
 
     async def spy(self, *args, **kwargs):
-        calls.append(args[0] if args else kwargs["model"])
+        if name != "select" or kwargs.get("kind") == "healthy":  # (the test's own pick is a select too)
+            calls.append(args[0] if args else kwargs["model"])
         return await original(self, *args, **kwargs)
 
     monkeypatch.setattr(type(router), name, spy)
@@ -85,7 +86,7 @@ async def test_the_router_hands_out_copies_of_deployments():
     for _ in range(30):
         strat.fleet = FleetView(strat.settings)  # a fresh view each time: no dispatches pile up
         strat.fleet.update({p: record(p, running={"a"} if p == PODS[2] else ()) for p in PODS})
-        healthy = [copy.deepcopy(d) for d in router.model_list]
+        healthy = [copy.deepcopy(d) for d in compat.model_list(router)]
         random.shuffle(healthy)
         chosen = strat.pick("a", healthy, {})
         assert chosen["litellm_params"]["api_base"].startswith(PODS[2])
@@ -109,7 +110,7 @@ async def test_named_groups_and_explicit_adapter_field():
     router, strat, fleet = make(model_list)
     fleet.update({PODS[0]: record(PODS[0], running={"tweet-summary"}), PODS[1]: record(PODS[1], running={"sql-lora"})})
     assert {await route(router, "sql") for _ in range(4)} == {PODS[1].removesuffix("/v1/")}
-    dep = await router.async_get_available_deployment(model="tweets", request_kwargs={})
+    dep = await compat.router_pick(router, "tweets", {})
     assert dep["litellm_params"]["api_base"] == PODS[0]
     assert strat.decisions == 5 and strat.fallbacks == 0  # the rules chose, not LiteLLM's pick
 
@@ -272,9 +273,9 @@ async def test_model_group_override_changes_only_that_group():
 async def test_a_retry_of_the_same_call_goes_to_another_pod():
     router, strat, fleet = make()
     fleet.update({p: record(p, running={"x"} if p == PODS[0] else ()) for p in PODS})
-    first = strat.pick("x", router.model_list, {"litellm_call_id": "call-1"})
-    retry = strat.pick("x", router.model_list, {"litellm_call_id": "call-1"})
-    other = strat.pick("x", router.model_list, {"litellm_call_id": "call-2"})
+    first = strat.pick("x", compat.model_list(router), {"litellm_call_id": "call-1"})
+    retry = strat.pick("x", compat.model_list(router), {"litellm_call_id": "call-1"})
+    other = strat.pick("x", compat.model_list(router), {"litellm_call_id": "call-2"})
     assert first["litellm_params"]["api_base"].startswith(PODS[0])
     assert not retry["litellm_params"]["api_base"].startswith(PODS[0])  # the pod that just failed is avoided
     assert other["litellm_params"]["api_base"].startswith(PODS[0])  # a new request still gets affinity

@@ -38,6 +38,11 @@ class RedisClock:
     def known(self) -> bool:
         return bool(self._samples)
 
+    @property
+    def error_s(self) -> float:
+        """How far off `offset_s` may be: half the round trip it was read in."""
+        return min(self._samples)[0] / 2 if self._samples else 0.0
+
     def observe(self, redis_time: float, sent: float, received: float) -> None:
         """A round trip that left at `sent` and came back at `received` (local) read Redis at `redis_time`."""
         round_trip = max(0.0, received - sent)

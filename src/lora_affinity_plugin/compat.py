@@ -150,6 +150,14 @@ def register_strategy(router: Any, strategy: Any) -> None:
     (register or router.set_custom_routing_strategy)(strategy)
 
 
+async def router_pick(router: Any, model: str, request_kwargs: dict, messages: Any = None) -> Any:
+    """The router's pick as a caller asks for it (the registered strategy's, when one is): `Router.select` on
+    1.110+ (`async_get_available_deployment` became its deprecated alias there), the method before."""
+    if _rust_core(router) is not None and hasattr(router, "select"):
+        return await router.select(model, request_kwargs, messages=messages)
+    return await router.async_get_available_deployment(model=model, messages=messages, request_kwargs=request_kwargs)
+
+
 def registered_strategy(router: Any) -> Any | None:
     """The custom strategy the router uses now, or None (a settings change or a rebuild drops it).
 
