@@ -188,11 +188,12 @@ async def test_only_text_completions_to_routed_pods_get_a_pooled_client():
 async def test_the_plugin_puts_nothing_in_the_routers_cache():
     router, strategy = _routed_router([{"model_name": "pods", "litellm_params": {
         "model": "hosted_vllm/m", "api_base": "http://pod-a:8000/v1"}}])
-    before = dict(router.cache.in_memory_cache.cache_dict)
+    cache = router.health().store if hasattr(router, "health") else router.cache  # (1.110 renamed it)
+    before = dict(cache.in_memory_cache.cache_dict)
     strategy._index.pod(compat.model_list(router)[0])
     strategy.pooled_client({**compat.model_list(router)[0]["litellm_params"], "api_key": "k", "timeout": 5.0,
                             "model_info": compat.model_list(router)[0]["model_info"]}, "atext_completion")
-    assert router.cache.in_memory_cache.cache_dict == before
+    assert cache.in_memory_cache.cache_dict == before
     await strategy.pools.aclose()
 
 
