@@ -121,14 +121,14 @@ def test_follower_refuses_a_bad_hand_written_value_and_keeps_the_last_good(raw):
     applied = []
     follower = Follower(BASE, FleetView(BASE), lambda: [], applied.append)
     follower._follow_settings(good(3, kv_cache_threshold=0.6))
-    assert follower.applied_version == 3 and applied[-1].kv_cache_threshold == 0.6
+    assert follower.live.version == 3 and applied[-1].kv_cache_threshold == 0.6
     rejected = SETTINGS_REJECTED._value.get()
     follower._follow_settings(raw)
     follower._follow_settings(raw)  # the same bad value is counted and logged once
-    assert follower.applied_version == 3 and follower.settings.kv_cache_threshold == 0.6 and len(applied) == 1
+    assert follower.live.version == 3 and follower.settings.kv_cache_threshold == 0.6 and len(applied) == 1
     assert SETTINGS_REJECTED._value.get() == rejected + 1
     follower._follow_settings(good(10, kv_cache_threshold=0.5))  # a later good version still applies
-    assert follower.applied_version == 10 and applied[-1].kv_cache_threshold == 0.5
+    assert follower.live.version == 10 and applied[-1].kv_cache_threshold == 0.5
 
 
 def test_a_newer_versions_settings_are_left_out_by_followers_and_carried_by_writers(client):
@@ -136,7 +136,7 @@ def test_a_newer_versions_settings_are_left_out_by_followers_and_carried_by_writ
     applied = []
     follower = Follower(BASE, FleetView(BASE), lambda: [], applied.append)
     follower._follow_settings(good(4, kv_cache_threshold=0.4, future_knob={"x": 1}))
-    assert follower.applied_version == 4 and applied[-1].kv_cache_threshold == 0.4
+    assert follower.live.version == 4 and applied[-1].kv_cache_threshold == 0.4
     client.set(ls.settings_key(BASE.key_prefix), good(4, kv_cache_threshold=0.4, future_knob={"x": 1}))
     _, new = ls.write(client, BASE, {"kv_cache_threshold": 0.3}, "old-cli")
     assert new.values["future_knob"] == {"x": 1} and new.values["kv_cache_threshold"] == 0.3
@@ -183,7 +183,7 @@ def test_after_redis_loses_its_data_proxies_follow_the_new_history_from_version_
     fresh = client.get(ls.settings_key(BASE.key_prefix))
     assert ls.LiveCopy.from_json(fresh).version == 2
     proxy._follow_settings(fresh)
-    assert proxy.settings.kv_cache_threshold == 0.79 and proxy.applied_version == 2 and len(applied) == 2
+    assert proxy.settings.kv_cache_threshold == 0.79 and proxy.live.version == 2 and len(applied) == 2
 
 
 def test_a_rollback_restores_an_earlier_versions_values_as_a_new_version(client):

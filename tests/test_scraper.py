@@ -90,12 +90,12 @@ async def test_redis_down_is_survived_and_logged_once(caplog, PODS):
 
 
 async def test_only_the_lease_holder_scrapes_and_a_stale_leader_is_fenced(redis, PODS):
-    settings = build_settings({"scraper_lease_ms": 200})
+    settings = build_settings({"scraper_lease_ms": 1000})  # (long enough for a loaded CI machine's two scrapes)
     first = Scraper(settings, PODS, redis)
     second = Scraper(settings, PODS, redis)
     assert len(await first.scrape_once()) == 3 and first.leader
     assert await second.scrape_once() == [] and not second.leader and second.holder == first.holder
-    await asyncio.sleep(0.3)  # the first worker pauses past its lease
+    await asyncio.sleep(1.1)  # the first worker pauses past its lease
     assert len(await second.scrape_once()) == 3 and second.leader
     assert second.holder.endswith("#2")  # a new fencing token
     await first.scrape_once()  # wakes up, still believes it leads: its write is refused

@@ -33,8 +33,7 @@ from .inflight import (
 from .lease import worker_id
 from .live_settings import (
     LiveCopy,
-    apply_live,
-    foreign,
+    LiveFollower,
     live_values,
     new_epoch,
     notify_channel,
@@ -56,7 +55,7 @@ from .prefix_index import (
     decode_entries,
     encode_entries,
 )
-from .settings import Settings, SettingsError
+from .settings import Settings
 from .store import connect, decode_records, pod_key
 
 logger = logging.getLogger("lora_affinity")
@@ -92,9 +91,7 @@ class Follower:
         self.fleet = fleet
         self._pods = pods
         self._on_settings = on_settings
-        self.applied_version = 0
-        self.applied_epoch = ""
-        self._last_raw: bytes | None = None
+        self.live = LiveFollower(base, "proxy", logger)
         self._wake = asyncio.Event()
         self.served_models: frozenset[str] = frozenset()
         """What the pods' /v1/models list, as the scraper last published it (discovery.py)."""
@@ -181,7 +178,7 @@ class Follower:
                 prefix_stream_key(prefix), changes_key(prefix), applied_key(prefix, self.process), *reads, self.process,
                 table, ttl_ms, entries, self.stream_id if share_prefixes else "", SHARE_STREAM_LENGTH,
                 SHARE_ENTRIES_PER_PROCESS, exact_from, CHANGE_SETS_PER_REFRESH,
-                f"{self.applied_epoch or '-'}:{self.applied_version}" if self.applied_version else "")
+                self.live.applied)
             self.clock.observe(redis_seconds(redis_now), sent, time.time())
         except asyncio.CancelledError:
             raise
@@ -278,30 +275,14 @@ class Follower:
         self.pods_seen = set(counts)
 
     def _follow_settings(self, raw: bytes) -> None:
-        if raw == self._last_raw:
-            return  # unchanged since the last look, good or bad: nothing to parse, nothing to log
-        self._last_raw = raw
-        try:
-            copy = LiveCopy.from_json(raw)
-            restarted = self.applied_version > 0 and copy.epoch != self.applied_epoch
-            if copy.version <= self.applied_version and not restarted:
-                return
-            if restarted:  # a new history (Redis lost its data and was seeded again): its versions start over
-                logger.warning("live settings start a new history at version %s (epoch %s, was %s at version %s): "
-                               "applied; did Redis lose its data?", copy.version, copy.epoch or "-",
-                               self.applied_epoch or "-", self.applied_version)
-            settings = apply_live(self.base, copy.values, ignore_foreign=True)
-            newer = foreign(copy.values)
-            if newer:  # read once per copy (`_last_raw`): said once
-                logger.info("live settings version %s names settings this version does not know (%s): applied "
-                            "without them", copy.version, ", ".join(sorted(newer)))
-        except SettingsError as exc:
+        refused = self.live.refused
+        settings = self.live.offer(raw)
+        if self.live.refused > refused:
             SETTINGS_REJECTED.inc()
-            logger.error("refused live settings, keeping version %s: %s", self.applied_version, exc)
+        if settings is None:
             return
-        self.applied_version, self.applied_epoch = copy.version, copy.epoch
         self.settings = settings
-        SETTINGS_VERSION.set(copy.version)
+        SETTINGS_VERSION.set(self.live.version)
         SETTINGS_APPLIED.inc()
         self._on_settings(settings)
 

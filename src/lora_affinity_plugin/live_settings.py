@@ -18,6 +18,7 @@ and new proxies follow the same copy.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -118,6 +119,52 @@ def apply_live(base: Settings, values: dict[str, Any], *, ignore_foreign: bool =
         return Settings.model_validate(merged)
     except Exception as exc:  # pydantic's ValidationError
         raise SettingsError(describe_validation_error(exc, merged)) from None
+
+
+class LiveFollower:
+    """Where one process stands in the live settings' history (the proxies' refresh and the scraper both follow
+    it): `offer` each copy read from Redis; a newer version, or any version of a new history (Redis lost its data
+    and was seeded again), is applied over the file's `base`; one that does not validate is refused, said once,
+    and the last good settings stay."""
+
+    def __init__(self, base: Settings, who: str, logger: logging.Logger) -> None:
+        self.base, self.who, self._logger = base, who, logger
+        self.version = 0
+        self.epoch = ""
+        self.refused = 0
+        """Copies refused so far (each distinct copy once)."""
+        self._last_raw: bytes | str | None = None
+
+    @property
+    def applied(self) -> str:
+        """`epoch:version` of the copy in force ("" before any)."""
+        return f"{self.epoch or '-'}:{self.version}" if self.version else ""
+
+    def offer(self, raw: bytes | str) -> Settings | None:
+        """The settings to apply now, or None (the copy is not newer, was seen already, or was refused)."""
+        if raw == self._last_raw:
+            return None  # unchanged since the last look, good or bad: nothing to parse, nothing to log
+        self._last_raw = raw
+        try:
+            copy = LiveCopy.from_json(raw)
+            restarted = self.version > 0 and copy.epoch != self.epoch
+            if copy.version <= self.version and not restarted:
+                return None
+            if restarted:
+                self._logger.warning("live settings start a new history at version %s (epoch %s, was %s at version "
+                                     "%s): applied; did Redis lose its data?", copy.version, copy.epoch or "-",
+                                     self.epoch or "-", self.version)
+            settings = apply_live(self.base, copy.values, ignore_foreign=True)
+        except SettingsError as exc:
+            self.refused += 1
+            self._logger.error("%s refused live settings, keeping version %s: %s", self.who, self.version, exc)
+            return None
+        newer = foreign(copy.values)
+        if newer:
+            self._logger.info("live settings version %s names settings this version does not know (%s): applied "
+                              "without them", copy.version, ", ".join(sorted(newer)))
+        self.version, self.epoch = copy.version, copy.epoch
+        return settings
 
 
 def parse_assignments(pairs: Iterable[str]) -> dict[str, Any]:

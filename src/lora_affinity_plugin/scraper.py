@@ -22,7 +22,7 @@ from .discovery import model_ids, served_models_key
 from .engines import pod_engines
 from .episodes import Episode
 from .lease import LeaseResult, hold_standby, lease_and_write, release_standby, worker_id
-from .live_settings import LiveCopy, apply_live, settings_key
+from .live_settings import LiveFollower, settings_key
 from .metrics import (
     POD_ADAPTERS,
     POD_KV,
@@ -39,7 +39,7 @@ from .parsing import MetricsPageError, parse_metrics
 from .pods import discover_pods, pod_marks, token_pods
 from .rates import RateTracker, decode_load
 from .podstate import PodMetrics
-from .settings import Settings, SettingsError
+from .settings import Settings
 from .store import PodRecord, connect, decode_records, pod_key
 
 __all__ = ["Scraper", "parse_metrics", "MetricsPageError"]
@@ -98,9 +98,7 @@ class Scraper:
                  token_pods: Iterable[str] = (), marked_pods: Iterable[str] = (), kv_events: Any = None):
         self.base_settings = settings
         self.settings = settings
-        self.settings_version = 0
-        self.settings_epoch = ""
-        self._rejected: bytes | None = None
+        self.live = LiveFollower(settings, "scraper", logger)
         self.pods = list(pods)
         for pod in self.pods:  # at 0 from the start, so an alert's increase() sees the first error too
             for kind in ("page", "partial", "timeout", "connection"):
@@ -346,17 +344,10 @@ class Scraper:
         return result.leader
 
     def _follow_settings(self, raw: bytes) -> None:
-        """Interval, timeouts and TTLs follow `thresholds set` too; invalid values are ignored."""
-        try:
-            copy = LiveCopy.from_json(raw)
-            restarted = self.settings_version > 0 and copy.epoch != self.settings_epoch  # Redis seeded afresh
-            if copy.version > self.settings_version or restarted:
-                self.settings = apply_live(self.base_settings, copy.values, ignore_foreign=True)
-                self.settings_version, self.settings_epoch = copy.version, copy.epoch
-        except SettingsError as exc:
-            if raw != self._rejected:
-                self._rejected = raw
-                logger.error("scraper refused live settings, keeping version %s: %s", self.settings_version, exc)
+        """Interval, timeouts and TTLs follow `thresholds set` too; a copy that does not validate is refused."""
+        settings = self.live.offer(raw)
+        if settings is not None:
+            self.settings = settings
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Scrape every `scrape_interval_ms` until `stop` is set; closes its clients on the way out."""
