@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import importlib.metadata
 import logging
 import os
@@ -19,6 +18,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS", "True")
 os.environ.setdefault("LITELLM_TELEMETRY_DISABLED", "true")
 
+from .ops import add_ops_arguments, show_defaults  # noqa: E402
 from .settings import SettingsError, load_config, settings_from_config  # noqa: E402
 
 
@@ -61,13 +61,6 @@ def _cmd_scrape(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_defaults(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """Every subcommand's help shows each option's default."""
-    subparsers.add_parser = functools.partial(subparsers.add_parser,  # type: ignore[method-assign]
-                                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    return subparsers
-
-
 LAB_COMMANDS = {"bench": "benchmarks: routing quality and decision latency",
                 "sim": "simulated vLLM replicas with LoRA, one port each",
                 "demo": "everything on this machine: Redis, fleet, proxies, benchmark"}
@@ -88,8 +81,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     scrape.add_argument("--interval-ms", type=int, help="overrides lora_affinity.scrape_interval_ms")
     scrape.add_argument("--metrics-port", type=int, help="serve the scraper's /metrics, /healthz and /readyz on this port")
     scrape.set_defaults(func=_cmd_scrape)
-
-    from .ops import add_ops_arguments
 
     add_ops_arguments(sub)
     lab = _lab() if command in LAB_COMMANDS else None

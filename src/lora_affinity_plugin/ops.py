@@ -7,6 +7,7 @@ LORA_AFFINITY_* environment give the base settings) or `--redis-url`.
 from __future__ import annotations
 
 import argparse
+import functools
 import getpass
 import json
 import os
@@ -34,6 +35,13 @@ from .ttft import predictions
 from .store import PodRecord, decode_records, pod_key
 
 
+def show_defaults(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Every subcommand's help shows each option's default."""
+    subparsers.add_parser = functools.partial(subparsers.add_parser,  # type: ignore[method-assign]
+                                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return subparsers
+
+
 def add_ops_arguments(sub) -> None:
     def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--config", help="the proxy's config.yaml")
@@ -42,8 +50,6 @@ def add_ops_arguments(sub) -> None:
         return p
 
     th = sub.add_parser("thresholds", help="show and change the live routing settings")
-    from .cli import show_defaults
-
     th_sub = show_defaults(th.add_subparsers(dest="action", required=True))
     common(th_sub.add_parser("show", help="the settings in force and their version"))
     setp = common(th_sub.add_parser("set", help="change settings: key=value ..."))
