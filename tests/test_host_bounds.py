@@ -16,7 +16,7 @@ from lora_affinity_plugin.follower import Follower, check_redis_version
 from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import build_settings
 from lora_affinity_plugin.store import PodRecord, pod_key
-from lora_affinity_plugin.strategy import _NAMES_CACHED, LoraAffinityStrategy
+from lora_affinity_plugin.host_strategy import _NAMES_CACHED, LoraAffinityStrategy
 
 S = build_settings({"scrape_interval_ms": 100}, environ={})
 

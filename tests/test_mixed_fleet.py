@@ -320,7 +320,7 @@ async def test_a_moved_litellm_internal_is_said_once_and_left_to_litellm(monkeyp
     monkeypatch.setattr(proxy_server, "llm_router", router)
     monkeypatch.setattr(proxy_server, "user_config_file_path", None)
     monkeypatch.setattr(compat, "registered_strategy", lambda router: None)  # where the strategy is kept moved
-    monkeypatch.setattr("lora_affinity_plugin.strategy.registered_strategy", lambda router: None)
+    monkeypatch.setattr("lora_affinity_plugin.host_strategy.registered_strategy", lambda router: None)
     plugin = ProxyPlugin()
     try:
         with logged() as records:

@@ -12,7 +12,7 @@ import litellm
 import pytest
 
 from lora_affinity_plugin import compat
-from lora_affinity_plugin import strategy as strategy_mod
+from lora_affinity_plugin import host_strategy as strategy_mod
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.proxy_callback import ProxyPlugin
 from lora_affinity_plugin.podstate import PodMetrics

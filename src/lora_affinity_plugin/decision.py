@@ -21,14 +21,38 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence, Union
+from typing import Any, ClassVar, Mapping, Protocol, Sequence, Union
 
 from .cost import CostParts
 from .podstate import DEFAULT_RATES, PodRates
 from .prefixes import rendezvous
 
-if TYPE_CHECKING:
-    from .settings import Settings
+
+
+class RuleSettings(Protocol):
+    """What the rules read of the settings (`settings.Settings` has it all): named here, so the rules need not
+    import the settings, which import the rules to validate a profile."""
+
+    rule_set: str
+    disabled_rules: Sequence[str]
+    band_width: float
+    cost_band_ms: float
+    cost_band_ratio: float
+    spill_queue_margin: int
+    queueing_threshold_lora: int
+    lora_affinity_threshold: float
+    kv_cache_threshold: float
+    queue_threshold_critical: int
+    shedding: bool
+    prefix_affinity: bool
+    prefix_min_blocks: int
+    prefix_queue_margin: int
+    prefix_queue_ratio: float
+    prefix_block_chars: int
+    prefix_chars_per_token: float
+    residency_memory: int
+
+    def built_profiles(self) -> dict[str, Any]: ...
 
 NO_SOURCES: Mapping[str, str] = MappingProxyType({})
 """No pod's match came from its engine's events (shared: a request builds none)."""
@@ -156,7 +180,7 @@ class DecisionRun:
     __slots__ = ("rng", "request", "settings", "trace", "disabled", "width", "key", "costs", "label",
                  "fleet", "fleet_min", "long_prompt", "warm", "holders", "roomy", "dealt")
 
-    def __init__(self, rng: random.Random, request: RouteRequest, settings: Settings, explain: bool = False,
+    def __init__(self, rng: random.Random, request: RouteRequest, settings: RuleSettings, explain: bool = False,
                  label: str = "") -> None:
         self.rng = rng
         self.request = request

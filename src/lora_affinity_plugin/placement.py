@@ -5,14 +5,12 @@ adapter, what a request costs where. Pure functions over candidates; the parts (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from .cost import CostParts, cache_wait_s, cost_terms, estimate
-from .decision import Candidate, RouteRequest
+from .decision import Candidate, RouteRequest, RuleSettings
 from .podstate import PREFILL_S_PER_TOKEN
 
-if TYPE_CHECKING:
-    from .settings import Settings
 
 
 def least_band_int(values: Sequence[int], width: float = 1.0) -> int:
@@ -26,7 +24,7 @@ def least_band_float(values: Sequence[float], width: float = 1.0) -> float:
     return lo + (hi - lo) * width / len(values)
 
 
-def tokens_per_block(settings: Settings) -> float:
+def tokens_per_block(settings: RuleSettings) -> float:
     """About how many model tokens one prefix block of text holds (the index counts blocks, the cost tokens)."""
     return settings.prefix_block_chars / settings.prefix_chars_per_token
 
@@ -51,7 +49,7 @@ def waits_for_room(p: Candidate, prompt_tokens: float, uncached_tokens: float) -
             and prompt_tokens >= LARGE_PROMPT_SHARE * size)
 
 
-def pod_cost(p: Candidate, request: RouteRequest, settings: Settings, best_match: int, *,
+def pod_cost(p: Candidate, request: RouteRequest, settings: RuleSettings, best_match: int, *,
              parts: bool = False) -> tuple[float, float, float, float] | CostParts:
     """The request's estimated cost on `p` (`cost.py`): the four terms, or with `parts` what `explain` prints.
     `best_match`: the longest prefix any pod holds (a shorter one here copies the rest a second time)."""
@@ -64,7 +62,7 @@ def pod_cost(p: Candidate, request: RouteRequest, settings: Settings, best_match
         active=p.active_adapters, resident=p.resident_adapters)
 
 
-def cost_s(p: Candidate, request: RouteRequest, settings: Settings, best_match: int) -> float:
+def cost_s(p: Candidate, request: RouteRequest, settings: RuleSettings, best_match: int) -> float:
     return sum(pod_cost(p, request, settings, best_match))  # type: ignore[arg-type]
 
 
@@ -76,7 +74,7 @@ def fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float) 
     return [p for p, size in zip(pods, sizes) if size <= edge]
 
 
-def not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candidate] | None = None,
+def not_far_busier(pods: list[Candidate], settings: RuleSettings, among: list[Candidate] | None = None,
                    least: int | None = None) -> list[Candidate]:
     """Pods (of `among`, default all) not far busier than `pods`' least busy: a pod is far busier when it reported
     a queue longer than the shortest by more than one request (a request just sent, or one waiting for the next
@@ -89,7 +87,7 @@ def not_far_busier(pods: list[Candidate], settings: Settings, among: list[Candid
     return [p for p in (pods if among is None else among) if p.load <= edge or p.reported_waiting <= queue_edge]
 
 
-def warm_pods(pods: list[Candidate], request: RouteRequest, settings: Settings, least: int | None = None
+def warm_pods(pods: list[Candidate], request: RouteRequest, settings: RuleSettings, least: int | None = None
               ) -> list[Candidate]:
     """Pods holding the longest prefix among those not far busier than the least busy one (`not_far_busier`).
 
@@ -116,20 +114,20 @@ def computing_tokens(p: Candidate, request: RouteRequest) -> float:
     return request.prefilling.get(p.key, 0.0) / max(p.rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12)
 
 
-def prefill_estimate_s(p: Candidate, request: RouteRequest, settings: Settings) -> float:
+def prefill_estimate_s(p: Candidate, request: RouteRequest, settings: RuleSettings) -> float:
     """The request's prefill on `p`: the tokens of its prompt `p` does not hold, at `p`'s learned speed."""
     held = request.prefix_matches.get(p.key, 0)
     return p.rates.prefill_s((request.prefix_blocks - held) * tokens_per_block(settings))
 
 
-def _first_token_s(p: Candidate, request: RouteRequest, settings: Settings) -> float:
+def _first_token_s(p: Candidate, request: RouteRequest, settings: RuleSettings) -> float:
     """When `p` would start the request: the prompts it is still computing, its wait, the adapter's load, the
     prefill of what it does not hold."""
     wait, adapter_s, prefill, _ = pod_cost(p, request, settings, 0)  # type: ignore[misc]
     return request.prefilling.get(p.key, 0.0) + wait + adapter_s + prefill
 
 
-def outpaced(warm: list[Candidate], pods: list[Candidate], request: RouteRequest, settings: Settings) -> bool:
+def outpaced(warm: list[Candidate], pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> bool:
     """Every holder of the longest prefix is slower than a pod that holds none of it, admits the whole prompt now
     and would start it sooner than the holders start the rest, by more than the work it adds: that pod's prefill of
     the whole prompt, times the share of the faster pods that are busy (running, queued, or computing prompts this
@@ -158,7 +156,7 @@ def fastest(pods: list[Candidate]) -> list[Candidate]:
     return [p for p in pods if p.slowness == least]
 
 
-def soonest_start(pods: list[Candidate], request: RouteRequest, settings: Settings) -> list[Candidate]:
+def soonest_start(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> list[Candidate]:
     """The pods that would start the prompt soonest (`_first_token_s`, within the cost band), where speeds differ:
     the fastest pod is the best place for an unseen prompt until what it is computing and its queue cost more
     than a slower pod's whole prefill. Pods of one speed are all kept: load and cost decide after."""
@@ -170,7 +168,7 @@ def soonest_start(pods: list[Candidate], request: RouteRequest, settings: Settin
     return [p for p, start in zip(pods, starts) if start <= edge]
 
 
-def adapter_holders(pods: list[Candidate], adapter: str, settings: Settings, fleet_min: int, by_speed: bool = False
+def adapter_holders(pods: list[Candidate], adapter: str, settings: RuleSettings, fleet_min: int, by_speed: bool = False
                     ) -> tuple[list[Candidate], list[Candidate]]:
     """Pods running `adapter`, and those of them within `spill_queue_margin` of `fleet_min`, the least load.
 
@@ -189,7 +187,7 @@ def slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:
 
 
 def warm_for_adapter(warm: list[Candidate], holders: list[Candidate], roomy: list[Candidate], fleet_min: int,
-                     settings: Settings) -> list[Candidate]:
+                     settings: RuleSettings) -> list[Candidate]:
     """Of the `warm` pods, those the adapter rules would pass over, kept eligible: a holder up to
     `prefix_queue_margin` beyond the spill margin (the saved prefill is worth that much queue, no more: a hot
     adapter must still spread), and a pod not running the adapter that has a free slot (loading an adapter
@@ -208,7 +206,7 @@ def warm_for_adapter(warm: list[Candidate], holders: list[Candidate], roomy: lis
 
 
 def starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], request: RouteRequest,
-                            settings: Settings) -> bool:
+                            settings: RuleSettings) -> bool:
     """Whether to start the adapter on another pod now: none of its holders can admit the request at the next
     step (a queue, or a cache too full for the prompt), a pod that keeps a free slot after taking the adapter
     can, and it costs clearly less there, the adapter's load and the harm to that pod's batch included. A holder

@@ -28,7 +28,7 @@ from .memtrace import ENV, install_from_env
 from .metrics import POD_REFUSED
 from .pooling import warn_if_litellm_outlives_server_keepalive
 from .settings import Settings, SettingsError, load_config, settings_from_config
-from .strategy import LoraAffinityStrategy, install, installed_strategy, logger
+from .host_strategy import LoraAffinityStrategy, install, installed_strategy, logger
 
 
 class LogFormatter(logging.Formatter):

@@ -8,14 +8,13 @@ what is benchmarked is what serves traffic. The rules themselves are profiles of
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from .decision import Candidate, Decision, DecisionRun, NoCapacity, RouteRequest, SchedulingError, Shed
+from .decision import (Candidate, Decision, DecisionRun, NoCapacity, RouteRequest, RuleSettings, SchedulingError,
+                       Shed)
 from .placement import pod_cost
 from .profiles import run_profile
 
-if TYPE_CHECKING:
-    from .settings import Settings
 
 __all__ = ["Candidate", "Decision", "NoCapacity", "RouteRequest", "SchedulingError", "Shed", "choose_pod"]
 
@@ -23,7 +22,7 @@ __all__ = ["Candidate", "Decision", "NoCapacity", "RouteRequest", "SchedulingErr
 def choose_pod(
     candidates: Sequence[Candidate],
     request: RouteRequest,
-    settings: Settings,
+    settings: RuleSettings,
     rng: random.Random,
     *,
     explain: bool = False,
@@ -43,7 +42,7 @@ def choose_pod(
     return run_profile(pods, run)
 
 
-def _sheddable_capacity(pods: list[Candidate], settings: Settings, run: DecisionRun) -> list[Candidate]:
+def _sheddable_capacity(pods: list[Candidate], settings: RuleSettings, run: DecisionRun) -> list[Candidate]:
     """A sheddable request goes only to pods under both sheddable thresholds; none: 429."""
     kept = [
         p

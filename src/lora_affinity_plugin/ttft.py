@@ -33,14 +33,11 @@ remaining tie alike by rendezvous rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s
-from .decision import Candidate, RouteRequest
+from .decision import Candidate, RouteRequest, RuleSettings
 from .podstate import PREFILL_S_PER_TOKEN
 
-if TYPE_CHECKING:
-    from .settings import Settings
 
 
 SCARCE_SLOTS = 0.75
@@ -86,7 +83,7 @@ def slots_in_use(pods: list[Candidate]) -> float:
     return sum(min(len(p.active_adapters), p.max_lora) for p in pods if p.max_lora) / slots if slots else 0.0
 
 
-def predictions(pods: list[Candidate], request: RouteRequest, settings: Settings) -> dict[str, Prediction]:
+def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> dict[str, Prediction]:
     """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
     per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
     best_match = max(request.prefix_matches.values(), default=0)
