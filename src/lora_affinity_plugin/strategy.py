@@ -13,7 +13,7 @@ from typing import Any
 
 from .host_strategy import LoraAffinityStrategy, install, installed_strategy
 
-__all__ = ["LoraAffinityStrategy", "install", "installed_strategy", "proxy_plugin", "ProxyPlugin"]
+__all__ = ["LoraAffinityStrategy", "install", "installed_strategy"]  # (and proxy_plugin, on request)
 
 
 def __getattr__(name: str) -> Any:
