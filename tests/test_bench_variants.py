@@ -49,3 +49,12 @@ def test_a_variant_is_measured_at_the_knee_and_a_step_above_against_the_best_ref
     assert float(last[-1]) == round(max(ratios), 2)  # the worst ratio to the oracle closes the row
     for name in ("lora-affinity-v1", "llmd-affinity", "aibrix-prefix", "dynamo", "llmd-precise"):
         assert name in REFERENCES  # the previous defaults and each peer are references
+
+
+def test_the_knee_is_bracketed_on_the_ladder_and_narrowed_to_within_a_few_percent(monkeypatch):
+    """With every reference's TTFT p90 at rate / 2 s, the knee past 1 s is 2 req/s: the ladder from 1 req/s
+    brackets it between 1.69 and 2.197, and the halvings bring it to within 4% above 2."""
+    variant = replace(draw("documents", 1), start_rate=1.0)
+    monkeypatch.setattr(variants, "_p90s", lambda scenario, strategy, seeds: [scenario.arrival_rate / 2])
+    rate, target = variants.knee(variant, ("least-busy", "llmd-weights"), range(1, 2))
+    assert target == 1.0 and 2.0 < rate <= 2.0 * 1.04, rate

@@ -3,8 +3,9 @@
 `lora-affinity bench --scenario variants --mode fast --variants N --seeds K`: for each family (documents under KV
 pressure, the same with a second client past the gateway, shared system prompts, multi-turn chats, LoRA-heavy
 traffic with scarce slots, mixes, uneven fleets) N variants are drawn from `RANGES` by a variant seed; each is
-run at the best reference's knee (the lowest rate of a x1.3 ladder where every reference's TTFT p90 is past 1 s,
-or past twice a nearly idle fleet's where its prompts alone take longer) and one step above, every strategy over the same K seeds. What it reports is the distribution, per family, of
+run at the best reference's knee (about the lowest rate, bracketed on a x1.3 ladder and narrowed to within 3%, where
+every reference's TTFT p90 is past 1 s, or past twice a nearly idle fleet's where its prompts alone take longer)
+and one x1.3 step above, every strategy over the same K seeds. What it reports is the distribution, per family, of
 the ratio defaults / best reference (the reference with the lowest TTFT p90 at that rate): median, worst, and
 how many variants' seed intervals (a paired bootstrap over the seeds, 95%) lie wholly above 1.
 """
@@ -24,6 +25,8 @@ from .scenarios import Scenario, _adapters
 TTFT_TARGET_S = 1.0
 LADDER = 1.3
 """Each rate step of the knee search and the step above the knee: x1.3."""
+BISECTIONS = 3
+"""Halvings of the last ladder step that bracket the knee (x1.3 -> about x1.033)."""
 REFERENCES = ("simple-shuffle", "least-busy", "llmd-weights", "llmd-prefix", "llmd-precise", "llmd-affinity", "dynamo",
               "sglang-cache-aware", "aibrix-prefix", "lora-affinity-v1")
 """What the defaults are measured against (the previous defaults among them)."""
@@ -147,8 +150,10 @@ def target_s(variant: Variant, seeds: range) -> float:
 
 
 def knee(variant: Variant, references: tuple[str, ...], seeds: range, limit: int = 12) -> tuple[float, float]:
-    """(rate, target): the lowest rate of the x1.3 ladder from `start_rate` at which every reference's median TTFT
-    p90 is past the target (`target_s`), searched down first when the start is already past it."""
+    """(rate, target): about the lowest rate at which every reference's median TTFT p90 is past the target
+    (`target_s`): bracketed on the x1.3 ladder from `start_rate` (searched down first when the start is already
+    past it), then narrowed by `BISECTIONS` geometric halvings (to within about 3%: under KV pressure one x1.3 step
+    can take the best reference from under 1 s to several)."""
     target = target_s(variant, seeds)
 
     def past(rate: float) -> bool:
@@ -160,14 +165,27 @@ def knee(variant: Variant, references: tuple[str, ...], seeds: range, limit: int
         for _ in range(limit):
             lower = round(rate / LADDER, 3)
             if not past(lower):
-                return rate, target
+                return _narrowed(lower, rate, past), target
             rate = lower
         return rate, target
     for _ in range(limit):
-        rate = round(rate * LADDER, 3)
+        below, rate = rate, round(rate * LADDER, 3)
         if past(rate):
-            return rate, target
+            return _narrowed(below, rate, past), target
     return rate, target
+
+
+def _narrowed(below: float, past_at: float, past) -> float:
+    """The lowest rate found past the target between `below` (not past) and `past_at` (past)."""
+    for _ in range(BISECTIONS):
+        middle = round((below * past_at) ** 0.5, 3)
+        if middle in (below, past_at):
+            break
+        if past(middle):
+            past_at = middle
+        else:
+            below = middle
+    return past_at
 
 
 @dataclass
@@ -231,7 +249,8 @@ def run_variants(args: argparse.Namespace) -> int:
     knee_seeds = range(args.seed, args.seed + min(3, max(1, args.seeds)))
     first = getattr(args, "variant_seed", None) or 1
     print(f"variants: {count} per family ({', '.join(families)}), variant seeds {first}-{first + count - 1}; "
-          f"{len(seeds)} seeds per strategy; knee: the lowest rate (x{LADDER} ladder) where every reference's TTFT "
+          f"{len(seeds)} seeds per strategy; knee: the lowest rate (x{LADDER} ladder, {BISECTIONS} halvings) where "
+          f"every reference's TTFT "
           f"p90 is past {TTFT_TARGET_S:g} s (medians of {len(knee_seeds)} seeds); references: {', '.join(REFERENCES)}; "
           f"bound: {BOUND}")
     rows: list[Row] = []
