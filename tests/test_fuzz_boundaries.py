@@ -240,3 +240,21 @@ def test_the_good_batch_used_above_applies_alone():
     index.track("p")
     index.apply("p", GOOD)
     assert index.size("p") == 2
+
+
+def test_what_a_proxy_cannot_use_is_counted_by_kind():
+    from lora_affinity_plugin.metrics import INPUTS_DROPPED
+
+    base = build_settings({"kv_events": True}, environ={})
+
+    async def run():
+        client = fakeredis.aioredis.FakeRedis()
+        now = time.time()
+        await client.set(pod_key(base, "good"), PodRecord("good", now, PodMetrics()).to_json())
+        await client.set(pod_key(base, "bad"), b"\x00 not a record")
+        await client.hset(snapshot_key(base.key_prefix), mapping={"c": b"garbage", "n": b"0", "e": b"e", "i": b"0-0"})
+        before = {kind: INPUTS_DROPPED.labels(kind)._value.get() for kind in ("record", "snapshot")}
+        await Follower(base, FleetView(base), lambda: ["good", "bad"], lambda s: None).refresh(client)
+        return {kind: INPUTS_DROPPED.labels(kind)._value.get() - before[kind] for kind in before}
+
+    assert asyncio.run(run()) == {"record": 1, "snapshot": 1}

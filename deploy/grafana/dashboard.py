@@ -74,10 +74,12 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
     ("KV events: inputs dropped per pod, and processes that cannot reach Redis", "short",
      [(f'sum by (pod, kind) (increase(lora_affinity_kv_events_dropped_total{{pod=~"$pod"}}[{RATE}]))',
        "{{kind}} {{pod}}"),
+      (f"sum by (kind) (increase(lora_affinity_inputs_dropped_total[{RATE}]))", "proxies: unreadable {{kind}}"),
       ("count(lora_affinity_redis_up == 0) or vector(0)", "processes without Redis")],
      "bad: frames or batches a pod's follower could not read or apply (that pod's index is partial); restart: its "
-     "follower ended by an error and was started again. Processes without Redis: proxies and scrapers whose last "
-     "round trip failed (alert LoraAffinityRedisUnreachable)."),
+     "follower ended by an error and was started again. Proxies: pod records and exact-index snapshots in Redis they "
+     "could not use (each costs its pod, or sends the proxies back to the inferred index until a good snapshot). "
+     "Processes without Redis: proxies and scrapers whose last round trip failed (alert LoraAffinityRedisUnreachable)."),
     ("Settings version, per process", "short",
      [("max by (instance) (lora_affinity_settings_version)", "{{instance}}")],
      "Every proxy and scraper should show the same version within a second of a change."),

@@ -41,6 +41,7 @@ from .live_settings import (
 )
 from .metrics import (
     INFLIGHT,
+    INPUTS_DROPPED,
     INFLIGHT_SWEPT,
     REDIS_UP,
     SETTINGS_APPLIED,
@@ -191,8 +192,12 @@ class Follower:
         if raws[0] is not None:
             self._follow_settings(raws[0])
         to_local = self.clock.to_local
+        read = raws[1:1 + len(pods)]
         records = {pod: replace(record, scraped_at=to_local(record.scraped_at))
-                   for pod, record in decode_records(pods, raws[1:1 + len(pods)]).items()}
+                   for pod, record in decode_records(pods, read).items()}
+        unreadable = sum(1 for raw in read if raw is not None) - len(records)
+        if unreadable:  # each costs its pod only; counted per refresh while it lasts
+            INPUTS_DROPPED.labels("record").inc(unreadable)
         self.fleet.update(records, time.time())
         self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1], -self.clock.offset_s), time.time())
         served = decode_served(raws[-1])
@@ -242,6 +247,7 @@ class Follower:
         except (KeyError, ValueError, UnicodeDecodeError) as exc:  # a header naming no readable parts
             self.fleet.held.number = None
             self._bad_snapshot.fail(f"{type(exc).__name__}: {exc}")
+            INPUTS_DROPPED.labels("snapshot").inc()
             return
         except Exception as exc:
             self._redis_down.fail(type(exc).__name__)
@@ -253,6 +259,7 @@ class Follower:
             except (KeyError, ValueError, UnicodeDecodeError) as exc:  # the pods stay on the inferred index
                 self.fleet.held.number = None
                 self._bad_snapshot.fail(f"{type(exc).__name__}: {exc}")
+                INPUTS_DROPPED.labels("snapshot").inc()
             else:
                 self._bad_snapshot.recover()
 

@@ -56,6 +56,11 @@ KV_EVENTS_LAG = Gauge("lora_affinity_kv_events_lag_seconds",
                       "Age of the last KV-event batch applied from the pod (its timestamp against the scraper's clock)",
                       ["pod"])
 KV_EVENTS_BATCHES = Counter("lora_affinity_kv_events_batches_total", "KV-event batches applied, per pod", ["pod"])
+INPUTS_DROPPED = Counter("lora_affinity_inputs_dropped_total",
+                         "What a proxy read from Redis and could not use (a pod's record, the exact index's snapshot), "
+                         "by kind", ["kind"])
+for _kind in ("record", "snapshot"):  # exported at 0 from the start: an alert's increase() sees the first one too
+    INPUTS_DROPPED.labels(_kind)
 KV_EVENTS_GAPS = Counter("lora_affinity_kv_events_gaps_total",
                          "Gaps in a pod's event sequence, by outcome: replayed (filled from its replay socket) or lost "
                          "(its index is partial until the pod clears its cache)", ["pod", "outcome"])
