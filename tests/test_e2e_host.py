@@ -11,6 +11,7 @@ one with the plugin and one without. LiteLLM's default retries and timeouts: not
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +152,8 @@ def _shares(url: str, hosted: str, count: int) -> dict[str, int]:
     return {region: sum(path.startswith(f"/{region}/") for path, _, _ in seen) for region in WEIGHTS}
 
 
-def test_a_hosted_group_with_an_api_base_keeps_litellms_weights_and_never_sees_the_metrics_token(stack):
+@pytest.mark.parametrize("round_", range(int(os.environ.get("LORA_AFFINITY_STATISTICAL_ROUNDS", "1"))))
+def test_a_hosted_group_with_an_api_base_keeps_litellms_weights_and_never_sees_the_metrics_token(stack, round_):
     """The scraper reads the hosted API's /metrics (it has an api_base) and finds no model server: the group
     stays LiteLLM's (its weights, 3 to 1), the token goes to the pods only, and no fallback is counted."""
     count = 160
