@@ -2,6 +2,7 @@
 that pod with a reason, and the others are untouched."""
 
 import asyncio
+import os
 
 import fakeredis
 from hypothesis import HealthCheck, given, settings
@@ -33,7 +34,8 @@ def lines(draw):
     return line[:cut] if draw(st.booleans()) and cut else line
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "400")), suppress_health_check=[HealthCheck.too_slow],
+          deadline=None)
 @given(st.lists(lines(), max_size=30), st.binary(max_size=64))
 def test_parser_returns_a_record_or_a_clear_error(page_lines, noise):
     text = "\n".join(page_lines) + noise.decode("utf-8", errors="replace")
@@ -47,7 +49,7 @@ def test_parser_returns_a_record_or_a_clear_error(page_lines, noise):
     assert m.max_lora is None or m.max_lora >= 0
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+@settings(max_examples=max(60, int(os.environ.get("FUZZ_EXAMPLES", "60")) // 8), suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
           deadline=None)
 @given(st.binary(max_size=2048), st.sampled_from([200, 200, 500, 404]))
 def test_scraper_marks_only_the_bad_pod(garbage, status):
