@@ -192,3 +192,20 @@ def test_shadow_mode_serves_by_litellm_and_counts_what_the_rules_would_have_done
                 if line.startswith("lora_affinity_shadow_total{") and 'agree="shed"' in line]
         assert shed and float(shed[0].rsplit(" ", 1)[1]) >= 1, page[-2000:]
     cli(stack, "reset")
+
+
+def test_a_wiped_redis_starts_a_new_history_that_every_proxy_follows(stack):
+    """Redis loses its data (no persistence, a restart): the next `set` writes version 1 of a new history, and the
+    proxies, which applied a higher version, apply it anyway, say so, and `show` finds them all on it."""
+    assert cli(stack, "set", "queue_threshold_critical=3").returncode == 0
+    wait_all(stack["ports"], 429)
+    stack["redis"].flushall()
+    out = cli(stack, "set", "queue_threshold_critical=1000")
+    assert out.returncode == 0 and out.stdout.startswith("version 1:"), out.stdout
+    wait_all(stack["ports"], 200, timeout=5.0)  # a version lower than what they applied, of another history
+    assert all("start a new history" in proxy.log() for proxy in stack["proxies"])
+    deadline = time.monotonic() + 5
+    while (data := json.loads(cli(stack, "show", "--json").stdout)).get("disagree") or len(data["proxies"]) < 2:
+        assert time.monotonic() < deadline, data
+        time.sleep(0.1)
+    assert data["version"] == 1 and all(v.endswith(":1") for v in data["proxies"].values())
