@@ -24,6 +24,12 @@ def least_band_float(values: Sequence[float], width: float = 1.0) -> float:
     return lo + (hi - lo) * width / len(values)
 
 
+def cost_band_edge(least: float, settings: RuleSettings) -> float:
+    """The most a cost in seconds may be and count as equal to `least`: within `cost_band_ms` or `cost_band_ratio`
+    of it (learned rates carry noise)."""
+    return max(least + settings.cost_band_ms / 1000, least * (1 + settings.cost_band_ratio))
+
+
 def tokens_per_block(settings: RuleSettings) -> float:
     """About how many model tokens one prefix block of text holds (the index counts blocks, the cost tokens)."""
     return settings.prefix_block_chars / settings.prefix_chars_per_token
@@ -163,8 +169,7 @@ def soonest_start(pods: list[Candidate], request: RouteRequest, settings: RuleSe
     if len(pods) < 2 or min(p.slowness for p in pods) == max(p.slowness for p in pods):
         return pods
     starts = [_first_token_s(p, request, settings) for p in pods]
-    least = min(starts)
-    edge = max(least + settings.cost_band_ms / 1000, least * (1 + settings.cost_band_ratio))
+    edge = cost_band_edge(min(starts), settings)
     return [p for p, start in zip(pods, starts) if start <= edge]
 
 
@@ -237,4 +242,4 @@ def starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], reque
     stay = min(cost_s(p, request, settings, best_match) + cache_wait_s(p.rates, p.kv_free_tokens, uncached(p))
                for p in roomy)
     move = min(cost_s(p, request, settings, best_match) for p in others)
-    return move < min(stay - settings.cost_band_ms / 1000, stay / (1 + settings.cost_band_ratio))
+    return cost_band_edge(move, settings) < stay  # (sooner by more than the band)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from .decision import Candidate, DecisionRun, Outcome, Part, Scorer
-from .placement import computing_tokens, cost_s, least_band_float, least_band_int, tokens_per_block
+from .placement import computing_tokens, cost_band_edge, cost_s, least_band_float, least_band_int, tokens_per_block
 from .ttft import predictions
 
 
@@ -59,8 +59,7 @@ class LeastCost(Scorer):
         return [cost_s(p, request, settings, best_match) for p in pods]
 
     def edge(self, costs: list[float], run: DecisionRun) -> float:
-        least = min(costs)
-        return max(least + run.settings.cost_band_ms / 1000, least * (1 + run.settings.cost_band_ratio))
+        return cost_band_edge(min(costs), run.settings)
 
 
 class PredictedTtft(Scorer):
@@ -74,8 +73,7 @@ class PredictedTtft(Scorer):
         return [predicted[p.key].total_s for p in pods]
 
     def edge(self, costs: list[float], run: DecisionRun) -> float:
-        least = min(costs)
-        return max(least + run.settings.cost_band_ms / 1000, least * (1 + run.settings.cost_band_ratio))
+        return cost_band_edge(min(costs), run.settings)
 
 
 class DynamoCost(Scorer):
@@ -116,17 +114,6 @@ class FewestAdapters(Scorer):
 
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
         return [len(p.active_adapters) for p in pods]
-
-
-class HistoryMatch(Scorer):
-    """Among equals, where the conversation's history is: no second copy of it."""
-
-    name = "history_match"
-    rule = "prefix_match"
-
-    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
-        get = run.request.prefix_matches.get
-        return [-get(p.key, 0) for p in pods]
 
 
 # --- the peers' scorers, as references ------------------------------------------------------------
@@ -192,6 +179,14 @@ class LongestMatch(Scorer):
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
         get = run.request.prefix_matches.get
         return [-get(p.key, 0) for p in pods]
+
+
+class HistoryMatch(LongestMatch):
+    """Among equals, where the conversation's history is: no second copy of it (the longest match, as one of our
+    rules: disabled with `prefix_match`)."""
+
+    name = "history_match"
+    rule = "prefix_match"
 
 
 class SmallestTree(Scorer):
