@@ -258,3 +258,40 @@ def test_what_a_proxy_cannot_use_is_counted_by_kind():
         return {kind: INPUTS_DROPPED.labels(kind)._value.get() - before[kind] for kind in before}
 
     assert asyncio.run(run()) == {"record": 1, "snapshot": 1}
+
+
+def test_refreshing_over_garbage_keeps_memory_flat():
+    """400 refreshes, each over fresh garbage in a pod's record, a peer's table, the prefix stream and the change
+    stream: what the proxy holds after the first 100 does not grow with the rest."""
+    import random
+    import tracemalloc
+
+    base = build_settings({"kv_events": True, "scrape_interval_ms": 100}, environ={})
+    rng = random.Random(7)
+
+    async def run() -> list[int]:
+        client = fakeredis.aioredis.FakeRedis()
+        prefix = base.key_prefix
+        follower = Follower(base, FleetView(base), lambda: ["good", "bad"], lambda s: None)
+        sizes = []
+        tracemalloc.start()
+        try:
+            for i in range(400):
+                now = time.time()
+                junk = rng.randbytes(rng.randint(0, 200))
+                await client.set(pod_key(base, "good"), PodRecord("good", now, PodMetrics()).to_json())
+                await client.set(pod_key(base, "bad"), junk)
+                await client.zadd(members_key(prefix), {f"peer-{i % 5}": now * 1000 + 60_000})
+                await client.set(inflight_key(prefix, f"peer-{i % 5}"), junk)
+                await client.xadd(prefix_stream_key(prefix), {"p": b"peer", "e": junk}, maxlen=100)
+                await client.xadd(changes_key(prefix), {"c": junk, "n": str(i).encode(), "e": b"e"}, maxlen=100)
+                await follower.refresh(client)
+                if i in (99, 399):
+                    sizes.append(tracemalloc.get_traced_memory()[0])
+        finally:
+            tracemalloc.stop()
+        return sizes
+
+    after_100, after_400 = asyncio.run(run())
+    print(f"traced memory after 100 refreshes {after_100} B, after 400 {after_400} B")
+    assert after_400 - after_100 < 512 * 1024, (after_100, after_400)

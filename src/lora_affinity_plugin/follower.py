@@ -111,6 +111,7 @@ class Follower:
         self._redis_down = Episode(logger, f"cannot read pod metrics from Redis at {base.redacted_redis_url()}")
         self._refresh_failing = Episode(logger, "lora-affinity could not apply a refresh from Redis; the last view stays")
         self._bad_snapshot = Episode(logger, "the exact KV index snapshot in Redis cannot be read; its pods stay on the inferred index")
+        self._bad_records = Episode(logger, "some pod records in Redis cannot be read; those pods are left out until a good one")
         self._records_read_at = time.monotonic()
         self._records_age_s = 0.0
         self._pod_count: int | None = None
@@ -196,8 +197,11 @@ class Follower:
         records = {pod: replace(record, scraped_at=to_local(record.scraped_at))
                    for pod, record in decode_records(pods, read).items()}
         unreadable = sum(1 for raw in read if raw is not None) - len(records)
-        if unreadable:  # each costs its pod only; counted per refresh while it lasts
+        if unreadable:  # each costs its pod only; counted per refresh while it lasts, said once per episode
             INPUTS_DROPPED.labels("record").inc(unreadable)
+            self._bad_records.fail(", ".join(pod for pod, raw in zip(pods, read) if raw is not None and pod not in records))
+        else:
+            self._bad_records.recover()
         self.fleet.update(records, time.time())
         self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1], -self.clock.offset_s), time.time())
         served = decode_served(raws[-1])
