@@ -321,7 +321,8 @@ EXACT = {"kv_events": True}
 """The default rules on the exact index (the engines' KV events); the oracle reads the engines' caches instead."""
 LLMD_WEIGHTS = {**LLMD_PREFIX, "rule_set": "llmd-weights"}
 """llm-d's current built-in weights (prefix 3 / kv 2 / queue 2)."""
-RULE_SETS = {"predicted-ttft": {"rule_set": "predicted-ttft"}, "llmd-weights": LLMD_WEIGHTS,
+RULE_SETS = {"predicted-ttft": {"rule_set": "predicted-ttft"}, "predicted-ttft-exact": {"rule_set": "predicted-ttft", **EXACT},
+             "llmd-weights": LLMD_WEIGHTS,
              "llmd-precise": {**LLMD_PREFIX, "rule_set": "llmd-precise", "kv_events": True},
              "dynamo": {**LLMD_PREFIX, "rule_set": "dynamo", "kv_events": True},
              "gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
@@ -340,7 +341,7 @@ def make_policy(name: str, replicas: int, rng: random.Random, overrides: dict | 
         return simple[name](replicas, rng)
     if name in RULE_SETS:
         kind = {"lora-affinity-exact": ExactRules, "exact-state-oracle": OracleRules, "llmd-precise": ExactRules,
-                "dynamo": ExactRules}.get(name, Rules)  # (the peers that read the engines' KV events)
+                "dynamo": ExactRules, "predicted-ttft-exact": ExactRules}.get(name, Rules)  # (the peers that read the engines' KV events)
         return kind(replicas, rng, build_settings({**RULE_SETS[name], **(overrides or {})}, environ={}), name)
     raise SystemExit(f"unknown strategy {name!r}; choose from: {', '.join(policy_names())}")
 
