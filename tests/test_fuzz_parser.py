@@ -11,7 +11,7 @@ from page_server import serve_pages
 
 from lora_affinity_plugin.scraper import MetricsPageError, Scraper, parse_metrics
 from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.store import read_records
+from records import read_records
 
 NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
          "vllm:gpu_cache_usage_perc", "vllm:lora_requests_info", "vllm:cache_config_info", "vllm:lora_adapter_loaded",

@@ -30,7 +30,8 @@ from lora_affinity_plugin.scheduling import Candidate, RouteRequest, choose_pod
 from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.scraper import Scraper
 from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.store import FORMAT, PodRecord, pod_key, read_records
+from lora_affinity_plugin.store import FORMAT, PodRecord, pod_key
+from records import read_records
 from lora_affinity_plugin.strategy import LoraAffinityStrategy
 
 GOOD = 'vllm:num_requests_running{model_name="m"} 3\nvllm:num_requests_waiting{model_name="m"} 1\n'
@@ -357,7 +358,7 @@ async def test_a_bad_config_is_read_once_per_change(monkeypatch, tmp_path):
 
 
 async def test_records_on_redis_time_read_back(monkeypatch):
-    """`read_records` (status, explain) see the records as written: Redis's clock, not the reader's."""
+    """Records read back (as status and explain read them) are as written: Redis's clock, not the reader's."""
     redis = fakeredis.aioredis.FakeRedis()
     settings = build_settings({})
     skewed(scraper_mod, monkeypatch, 5.0)

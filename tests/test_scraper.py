@@ -10,7 +10,8 @@ from page_server import REFUSED, serve_pages
 
 from lora_affinity_plugin.scraper import Scraper
 from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.store import PodRecord, pod_key, read_records
+from lora_affinity_plugin.store import PodRecord, pod_key
+from records import read_records
 
 GOOD = 'vllm:num_requests_running{model_name="m"} 3\nvllm:num_requests_waiting{model_name="m"} 1\n'
 

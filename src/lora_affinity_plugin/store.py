@@ -162,13 +162,6 @@ def connect(settings: Settings, *, blocking: bool = False) -> Any:
     return async_client(settings.redis_url, max(0.05, settings.scrape_timeout_ms / 1000), blocking=blocking)
 
 
-async def read_records(client: Any, settings: Settings, pods: Sequence[str]) -> dict[str, PodRecord]:
-    """Every known pod's record in one MGET; pods with no (or an unreadable) record are left out."""
-    if not pods:
-        return {}
-    return decode_records(pods, await client.mget([pod_key(settings, pod) for pod in pods]))
-
-
 def decode_records(pods: Sequence[str], raws: Sequence[bytes | None]) -> dict[str, PodRecord]:
     out: dict[str, PodRecord] = {}
     for pod, raw in zip(pods, raws):
