@@ -86,9 +86,9 @@ class AdapterSurvey(Part):
         run.warm = warm_pods(pods, request, settings, fleet_min) if cache_aware else []
         if run.warm and outpaced(run.warm, pods, request, settings):
             run.warm = []  # its prefix held only where a faster idle pod starts the whole prompt sooner: as unseen
-        run.holders, run.roomy = adapter_holders(pods, request.adapter, settings, fleet_min, self.by_speed)
+        run.holders, run.adapter_roomy = adapter_holders(pods, request.adapter, settings, fleet_min, self.by_speed)
         if cache_aware:
-            run.roomy += warm_for_adapter(run.warm, run.holders, run.roomy, fleet_min, settings)
+            run.adapter_roomy += warm_for_adapter(run.warm, run.holders, run.adapter_roomy, fleet_min, settings)
         return pods
 
 
@@ -131,9 +131,9 @@ class AdapterRoomy(Condition):
         self.sooner = sooner
 
     def test(self, pods: list[Candidate], run: DecisionRun) -> bool:
-        if not run.roomy:
+        if not run.adapter_roomy:
             return False
-        if self.sooner and starts_sooner_elsewhere(pods, run.roomy, run.request, run.settings):
+        if self.sooner and starts_sooner_elsewhere(pods, run.adapter_roomy, run.request, run.settings):
             run.note("starts_sooner_elsewhere", pods)
             return False
         return True

@@ -174,11 +174,11 @@ TraceStep = tuple[str, tuple[str, ...], "dict[str, float] | None"]
 
 class DecisionRun:
     """One decision in progress: the request, the settings, the RNG, what the parts learned on the way
-    (`fleet_min`, `warm`, `holders`, `roomy`, `dealt`: computed once, read by later parts), and the
+    (`fleet_min`, `warm`, `holders`, `adapter_roomy`, `dealt`: computed once, read by later parts), and the
     trace when explaining."""
 
     __slots__ = ("rng", "request", "settings", "trace", "disabled", "width", "key", "costs", "label",
-                 "fleet", "fleet_min", "long_prompt", "warm", "holders", "roomy", "dealt")
+                 "fleet", "fleet_min", "long_prompt", "warm", "holders", "adapter_roomy", "dealt")
 
     def __init__(self, rng: random.Random, request: RouteRequest, settings: RuleSettings, explain: bool = False,
                  label: str = "") -> None:
@@ -197,7 +197,9 @@ class DecisionRun:
         self.long_prompt = settings.prefix_affinity and request.prefix_blocks >= settings.prefix_min_blocks
         self.warm: list[Candidate] = []
         self.holders: list[Candidate] = []
-        self.roomy: list[Candidate] = []
+        self.adapter_roomy: list[Candidate] = []
+        """The adapter's holders within the spill margin (`adapter_survey`): where `adapter_roomy` holds and
+        `adapter_active` keeps. (The `roomy` rule is another question: pods not far busier than the least busy.)"""
         self.dealt: list[Candidate] = []
 
     def apply(self, rule: str, pods: list[Candidate], kept: list[Candidate],

@@ -20,7 +20,7 @@ class LowQueue(Filter):
         return [p for p in pods if p.waiting < threshold]
 
 
-class Roomy(Filter):
+class NotFarBusier(Filter):
     """Pods not far busier than the least busy one (`placement.not_far_busier`)."""
 
     name = "roomy"
@@ -68,7 +68,7 @@ class AdapterActive(Filter):
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
         if not run.fleet and run.request.adapter is not None:  # no `adapter_survey` before it: survey here
             AdapterSurvey()(pods, run)
-        return run.roomy
+        return run.adapter_roomy
 
 
 class AdapterRunning(Filter):

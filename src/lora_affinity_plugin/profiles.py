@@ -51,7 +51,7 @@ from .filters import (
     PrefixAffinityTtft,
     PrefixMatch,
     Resident,
-    Roomy,
+    NotFarBusier,
     RoomyForPlacement,
     SoonestStart,
 )
@@ -84,11 +84,11 @@ def _cheapest(branch: str, agree: bool = False) -> list[Part]:
     return [LeastCost(), LeastLoad(), LeastKv(), PickAgreed(branch) if agree else Pick(branch)]
 
 
-UNSEEN_PREFIX = [Roomy(), Fastest(), FewestPrefixes()]
+UNSEEN_PREFIX = [NotFarBusier(), Fastest(), FewestPrefixes()]
 """A prompt no pod holds: the pods not far busier, the fastest of them (all of it is computed), and of those the
 ones whose caches hold least (it stays where it lands)."""
 
-NEW_INSTRUCTIONS = [Roomy(), SoonestStart(), FewestPrefixes()]
+NEW_INSTRUCTIONS = [NotFarBusier(), SoonestStart(), FewestPrefixes()]
 """An app's instructions no pod holds (or only slower pods that a faster one outpaces): the pods not far busier,
 those that would start them soonest, the emptiest caches (every later request of the app follows them)."""
 
@@ -126,7 +126,7 @@ LORA_AFFINITY: list[Part] = [
     LowQueue(),
     Branch(BaseModel(), [
         Branch(LongPrompt(), [
-            Branch(HistoryQueued(), [Roomy(), LeastCost(), HistoryMatch(), LeastLoad(), PickAgreed("next_turn")]),
+            Branch(HistoryQueued(), [NotFarBusier(), LeastCost(), HistoryMatch(), LeastLoad(), PickAgreed("next_turn")]),
             _by_prefix("new_prefix"),
         ], _cheapest("base_model")),
     ], [
@@ -158,7 +158,7 @@ LORA_AFFINITY_V1: list[Part] = [
     LowQueue(),
     Branch(LongPrompt(), [
         Branch(PrefixHeld(), [PrefixMatch(), LeastLoad(), LeastKv(), PickAgreed("prefix")],
-               [Roomy(), FewestPrefixes(), *_adapter_then_least_load("new_prefix")]),
+               [NotFarBusier(), FewestPrefixes(), *_adapter_then_least_load("new_prefix")]),
     ]),
     Branch(BaseModel(), [LeastLoad(), LeastKv(), Pick("base_model")]),
     AdapterSurvey(by_speed=False, with_prefix=False),
