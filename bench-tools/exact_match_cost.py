@@ -1,4 +1,4 @@
-"""What matching a prompt exactly costs a proxy per request: `FleetView.route_request` with and without the exact
+"""What matching a prompt exactly costs a proxy per request: `RequestBuilder.build` with and without the exact
 index, 64 pods reporting, 16 shared 16 KB documents each with its own question (new strings every time), a
 byte-level BPE tokenizer trained here and the simulator's chat template. Two prompt shapes: a chat (the document
 as its system message, the question as the user's) and one message (the document, a blank line, the question:
@@ -23,6 +23,7 @@ from test_kv_subscriber import _train_tokenizer  # noqa: E402
 from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE  # noqa: E402
 from lora_affinity_plugin.exact_share import PodChange  # noqa: E402
 from lora_affinity_plugin.fleet import FleetView  # noqa: E402
+from lora_affinity_plugin.request_builder import RequestBuilder  # noqa: E402
 from lora_affinity_plugin.settings import build_settings  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def measure(exact: bool, tokenizer: Path, template: Path, one_message: bool, req
         messages = ([{"role": "user", "content": f"{document}\n\n{question}"}] if one_message else
                     [{"role": "system", "content": document}, {"role": "user", "content": question}])
         started = time.perf_counter()
-        fleet.route_request("adapter-1", "adapter-1", messages, {}, pods, settings, model="adapter-1")
+        RequestBuilder().build(fleet, "adapter-1", "adapter-1", messages, {}, pods, settings, model="adapter-1")
         times.append(time.perf_counter() - started)
     times = sorted(times[requests // 5:])  # after every head was seen once
     return statistics.median(times) * 1e6, times[int(len(times) * 0.99)] * 1e6

@@ -17,17 +17,17 @@ from concurrent.futures import ProcessPoolExecutor
 
 from lora_affinity_lab.bench import fast
 from lora_affinity_lab.bench.fast import FastObserver
-from lora_affinity_lab.bench.policies import OracleFleet
+from lora_affinity_lab.bench.policies import OracleRequests
 from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
 
 
 class _Compare(FastObserver):
     def __init__(self) -> None:
-        self.oracle: OracleFleet | None = None
+        self.oracle: OracleRequests | None = None
         self.rows: list[tuple[bool, bool, bool, int]] = []
 
     def started(self, engines, policies) -> None:
-        self.oracle = OracleFleet(policies[0].settings)
+        self.oracle = OracleRequests()
         self.oracle.engines = engines
 
     def routed(self, now, request, replica, policy) -> None:
@@ -36,8 +36,8 @@ class _Compare(FastObserver):
             return
         decision, candidates, route = last
         blocks = route.prefix_blocks
-        shares = self.oracle.exact_matches(request.model, request.adapter, request.messages, None, policy.keys,
-                                           policy.settings)
+        shares = self.oracle.exact_matches(policy.fleet, request.model, request.adapter, request.messages, None,
+                                           policy.keys, policy.settings)
         truth = {pod: min(blocks, int(blocks * share)) for pod, share in shares.items()}
         inferred = {pod: route.prefix_matches.get(pod, 0) for pod in truth}
         best_truth = max(truth.values())

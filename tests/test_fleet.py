@@ -2,6 +2,7 @@
 
 import pytest
 
+from lora_affinity_plugin.request_builder import RequestBuilder
 from lora_affinity_plugin.fleet import FleetView
 from lora_affinity_plugin.podstate import PodMetrics
 from lora_affinity_plugin.settings import SettingsError, build_settings
@@ -207,14 +208,14 @@ def test_the_long_prompts_sent_to_a_pod_count_as_computing_there_until_their_pre
     fleet = FleetView(S)
     fleet.update({"a": rec("a", 100.0), "b": rec("b", 100.0)})
     messages = [{"role": "user", "content": "a long question " * 200}]
-    assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S, now=100.0).prefilling == {}
+    assert RequestBuilder().build(fleet, "x", "x", messages, {}, ["a", "b"], S, now=100.0).prefilling == {}
     fleet.note_prefix("a", (1, 2, 3), 100.0, prefill_s=0.8)
     fleet.note_prefix("a", (4, 5, 6), 100.2, prefill_s=0.5)  # queued behind the first: done at 101.3
     fleet.note_prefix("unknown", (7,), 100.2, prefill_s=5.0)  # a pod with no record is not tracked
-    prefilling = fleet.route_request("x", "x", messages, {}, ["a", "b"], S, now=100.3).prefilling
+    prefilling = RequestBuilder().build(fleet, "x", "x", messages, {}, ["a", "b"], S, now=100.3).prefilling
     assert prefilling.keys() == {"a"} and abs(prefilling["a"] - 1.0) < 1e-9
-    assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S, now=101.4).prefilling == {}
-    assert fleet.route_request("x", "x", messages, {}, ["a", "b"], S).prefilling == {}  # no clock given: none
+    assert RequestBuilder().build(fleet, "x", "x", messages, {}, ["a", "b"], S, now=101.4).prefilling == {}
+    assert RequestBuilder().build(fleet, "x", "x", messages, {}, ["a", "b"], S).prefilling == {}  # no clock given: none
 
 
 def test_a_fleet_simulated_faster_than_real_time_ends_its_prompts_sooner_on_the_gateway_s_clock():
@@ -224,9 +225,9 @@ def test_a_fleet_simulated_faster_than_real_time_ends_its_prompts_sooner_on_the_
     fleet.update({"a": rec("a", 100.0)})
     messages = [{"role": "user", "content": "a long question " * 200}]
     fleet.note_prefix("a", (1, 2, 3), 100.0, prefill_s=1.0)  # done at 100.2 on the proxy's clock
-    prefilling = fleet.route_request("x", "x", messages, {}, ["a"], fast, now=100.1).prefilling
+    prefilling = RequestBuilder().build(fleet, "x", "x", messages, {}, ["a"], fast, now=100.1).prefilling
     assert abs(prefilling["a"] - 0.5) < 1e-9  # still half a second of the engine's
-    assert fleet.route_request("x", "x", messages, {}, ["a"], fast, now=100.25).prefilling == {}
+    assert RequestBuilder().build(fleet, "x", "x", messages, {}, ["a"], fast, now=100.25).prefilling == {}
     with pytest.raises(SettingsError, match="engine_time_scale: 0 is not allowed"):  # never divides by zero
         build_settings({"engine_time_scale": 0}, {})
 

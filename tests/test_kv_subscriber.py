@@ -18,6 +18,7 @@ from procs import free_port, free_port_range, wait_port
 
 from lora_affinity_lab.sim.kv_cache import ByteTokenizer
 from lora_affinity_lab.sim.kv_publisher import KVEventPublisher, KVEventsConfig
+from lora_affinity_plugin.request_builder import RequestBuilder
 from lora_affinity_plugin.exact_index import ExactIndex
 from lora_affinity_plugin import kv_subscriber
 from lora_affinity_plugin.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_batch,
@@ -341,7 +342,7 @@ def test_a_tokenizer_that_cannot_load_leaves_the_group_on_the_inferred_index(tmp
     fleet = FleetView(settings)
     fleet.held.load({"p": PodChange(True, BS, {1, 2, 3})}, 0)
     messages = [{"role": "system", "content": "rules " * 400}, {"role": "user", "content": "hi"}]
-    request = fleet.route_request("sql-lora", "sql-lora", messages, {}, ["p"], settings, model="sql-lora")
+    request = RequestBuilder().build(fleet, "sql-lora", "sql-lora", messages, {}, ["p"], settings, model="sql-lora")
     assert request.prefix_blocks and not request.match_sources  # routed, on the inferred index
 
 
@@ -369,17 +370,17 @@ def test_a_partial_pods_figure_is_at_least_what_the_proxies_sent_there_and_the_f
     messages = [{"role": "system", "content": "billing rules answer the question. " * 40},
                 {"role": "user", "content": "where to?"}]
     pods = ["whole", "late"]
-    request = fleet.route_request("sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
+    request = RequestBuilder().build(fleet, "sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
     assert request.prefix_blocks and request.prefix_matches == {}
     assert request.match_sources == {"whole": "exact", "late": "partial"}
     for pod in pods:  # these proxies sent the prompt to both (the exact index has not seen either store it)
         fleet.note_prefix(pod, request.prefix_hashes, time.time())
-    request = fleet.route_request("sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
+    request = RequestBuilder().build(fleet, "sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
     assert request.prefix_matches == {"late": request.prefix_blocks}  # the whole pod's events say it holds none
 
     fleet.held.apply({"late": PodChange(True, BS)})  # the pod cleared its cache (AllBlocksCleared): whole again
     assert not fleet.held.partial("late")
-    request = fleet.route_request("sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
+    request = RequestBuilder().build(fleet, "sql-lora", "sql-lora", messages, {}, pods, settings, model="sql-lora")
     assert request.prefix_matches == {} and request.match_sources == {"whole": "exact", "late": "exact"}
 
 

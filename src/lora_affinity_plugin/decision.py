@@ -106,7 +106,7 @@ class Candidate:
 
 @dataclass(slots=True)
 class RouteRequest:
-    """One request as the rules see it (`FleetView.route_request`). Read-only by convention, not frozen: one is built
+    """One request as the rules see it (`request_builder.RequestBuilder`). Read-only by convention, not frozen: one is built
     for every request, and frozen would cost more (see `Candidate`)."""
 
     adapter: str | None

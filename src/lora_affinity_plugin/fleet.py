@@ -19,20 +19,16 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .cost import relative_slowness
 from .podstate import DEFAULT_RATES
 from .inflight import Dispatch, InFlight, PeerShare
-from .decision import NO_SOURCES
 from .exact_share import HeldBlocks
 from .prefix_index import PrefixIndex
-from .prefixes import instructions_blocks, is_later_turn, placement_key, prompt_prefix, request_salt
-from .scheduling import Candidate, RouteRequest
+from .scheduling import Candidate
 from .settings import Settings
 from .store import PodRecord
-from .token_blocks import chain_seed
-from .tokenization import tokenizer_for
 
 logger = logging.getLogger(__name__)
 
@@ -165,98 +161,18 @@ class FleetView:
             scale = self.settings.engine_time_scale
             self._computing_until[pod] = max(self._computing_until.get(pod, now), now) + prefill_s / scale
 
-    def _prefilling(self, now: float) -> dict[str, float]:
+    def prefilling(self, now: float) -> dict[str, float]:
         """Engine seconds each pod should still spend on the prompts this process sent it (none listed: done). Read
         from the few pods tracked, not the request's deployments: the rules look up only their candidates."""
+        if not self._computing_until:
+            return {}
         scale = self.settings.engine_time_scale
         return {pod: (until - now) * scale for pod, until in self._computing_until.items() if until > now}
 
-    def route_request(self, adapter: str | None, scope: str, messages: Any, request_kwargs: Any, pods: Iterable[str],
-                      settings: Settings, sheddable: bool = False, model: str | None = None,
-                      now: float | None = None) -> RouteRequest:
-        """What the rules need to know about one request: its adapter, class and prompt prefix. A pod whose
-        engine publishes KV events is matched by what it holds (`exact_matches`), the others by the inferred
-        index. `now` (this process's clock): the prompts still being computed where they were sent count too."""
-        hashes = prompt_prefix(messages, scope, request_kwargs, settings)
-        gateways = 1 + self.peer_processes
-        home = self.dealt_pod(adapter, pods) if gateways > 1 and adapter is not None else None
-        dealt = len(self._dealing) if home is not None else 0
-        if not hashes:
-            return RouteRequest(adapter, sheddable, placement_key=placement_key(scope, ()), gateways=gateways,
-                                home=home, dealt_adapters=dealt, served_adapters=len(self._dealing))
-        matches = self.prefixes.matches(hashes, pods)
-        sources = NO_SOURCES
-        if settings.kv_events:  # (read once: the request path of a fleet without events pays nothing more)
-            matches, sources = self._with_exact(matches, len(hashes), model or scope, adapter, messages,
-                                                request_kwargs, pods, settings)
-        return RouteRequest(
-            adapter, sheddable, prefix_blocks=len(hashes), placement_key=placement_key(scope, hashes),
-            prefix_matches=matches, match_sources=sources, prefix_hashes=hashes,
-            prefix_sizes=self.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
-            served_adapters=len(self._dealing),
-            instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
-            later_turn=adapter is None and is_later_turn(messages),  # only a base-model turn reads it
-            prefilling=self._prefilling(now) if now is not None and self._computing_until else {})
-
-    def _with_exact(self, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None, messages: Any,
-                    request_kwargs: Any, pods: Iterable[str], settings: Settings
-                    ) -> tuple[Mapping[str, int], Mapping[str, str]]:
-        """`matches` with the reporting pods' exact figures in the prefix blocks' unit, and which pods those are
-        (`partial`: a pod whose exact figure is a floor, raised to the inferred one where that is more).
-        The share of the prompt's tokens a pod holds becomes that share of its `blocks`: the tokenizer's own count,
-        not the `prefix_chars_per_token` estimate, which is off for code or other languages."""
-        exact = self.exact_matches(model, adapter, messages, request_kwargs, pods, settings)
-        if not exact:
-            return matches, NO_SOURCES
-        inferred, matches, sources = matches, dict(matches), {}
-        for pod, share in exact.items():
-            held = min(blocks, int(blocks * share))
-            sources[pod] = "exact"
-            if self.held.partial(pod):
-                # Its events were joined late or lost past the replay buffer: what it holds from before is
-                # unseen, so what these proxies sent there still counts, where it is more.
-                sources[pod] = "partial"
-                held = max(held, inferred.get(pod, 0))
-            if held:
-                matches[pod] = held
-            else:
-                matches.pop(pod, None)
-        return matches, sources
-
-    def exact_matches(self, model: str, adapter: str | None, messages: Any, request_kwargs: Any,
-                      pods: Iterable[str], settings: Settings) -> dict[str, float]:
-        """Per pod whose engine reports its cache, the share of the prompt's full blocks of tokens it holds from
-        the start (empty: none does, no tokenizer is set for the group, or callers are isolated from each other's
-        prompts)."""
-        if not settings.kv_events or settings.prefix_isolation != "shared":
-            return {}
-        held = self.held
-        reporting = [pod for pod in pods if held.has(pod)]
-        if not reporting:
-            return {}
-        tokenizer = self.tokenizer(model, settings)
-        if tokenizer is None:
-            return {}
-        seed = chain_seed(adapter, request_salt(request_kwargs))
-        out: dict[str, float] = {}
-        chains: dict[int, list[list[int]]] = {}
-        for pod in reporting:
-            size = held.block_size(pod) or 16
-            readings = chains.get(size)
-            if readings is None:
-                readings = chains[size] = tokenizer.chains(seed, messages, size, settings.prefix_max_chars)
-            best = 0.0
-            for keys in readings:  # (one reading but for a single user message)
-                if keys:
-                    share = held.match(pod, keys) / len(keys)
-                    if share > best:
-                        best = share
-            out[pod] = best
-        return out
-
-    def tokenizer(self, model: str, settings: Settings) -> Any:
-        """The model group's tokenizer (`tokenization.PromptTokenizer`), from the settings' files; None: none."""
-        return tokenizer_for(settings.tokenizers, model)
+    @property
+    def served_adapters(self) -> int:
+        """How many adapters the pods' /v1/models list (`serve`)."""
+        return len(self._dealing)
 
     def adapter_known(self, adapter: str) -> bool:
         """Whether `adapter` is one the pods serve: listed in their /v1/models, reported by one of them, or

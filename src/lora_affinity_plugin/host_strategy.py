@@ -34,6 +34,7 @@ from .follower import Follower
 from .metrics import DECISION_SECONDS, DECISIONS, FALLBACKS, NO_CAPACITY, SHADOW, SHADOW_GAIN, SHEDS
 from .pods import deployment_adapter, deployment_pod, discover_pods, is_wildcard, pod_marks
 from .pooling import POOLED_PROVIDERS, PooledClients, provider_of
+from .request_builder import RequestBuilder
 from .placement import prefill_estimate_s
 from .scheduling import NoCapacity, Shed, choose_pod
 from .ttft import predictions
@@ -63,6 +64,7 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         """Calls already counted as shed: LiteLLM retries a 429, and a client sees one."""
         self.follower: Follower | None = None
         self.fleet = fleet or FleetView(settings)
+        self.requests = RequestBuilder()
         self.rng = rng or random.Random()
         self._index = _DeploymentIndex()
         self.pools = PooledClients()
@@ -194,8 +196,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         if adapter in self.fleet.model_names(candidates[0].key):
             adapter = None  # the base model: no LoRA rule applies
         settings = self._group_settings(model)
-        request = self.fleet.route_request(adapter, adapter or model, messages, request_kwargs, pods.positions, settings,
-                                           self._sheddable(model, request_kwargs), model=model, now=now)
+        request = self.requests.build(self.fleet, adapter, adapter or model, messages, request_kwargs, pods.positions,
+                                      settings, self._sheddable(model, request_kwargs), model=model, now=now)
         decision = choose_pod(candidates, request, settings, self.rng)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("call %s: %s -> %s (%s) among %s, prefix %d blocks, matches %s", call_id, adapter,

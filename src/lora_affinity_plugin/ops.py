@@ -29,6 +29,7 @@ from .pods import discover_pods
 from .exact_share import apply_entries, changes_key, read_snapshot, snapshot_key, snapshot_part_keys
 from .prefix_index import decode_entries
 from .profiles import BUILT_IN, STEP_KINDS, describe, part_names
+from .request_builder import RequestBuilder
 from .scheduling import SchedulingError, choose_pod
 from .settings import Settings, SettingsError, load_config, settings_from_config
 from .ttft import predictions
@@ -323,8 +324,8 @@ def run_explain(args: argparse.Namespace) -> int:
     _replay_shared_prefixes(client, fleet, settings)
     if settings.kv_events:
         _load_exact_index(client, fleet, settings)
-    request = fleet.route_request(args.model, args.model, messages, {"cache_salt": args.cache_salt},
-                                  [c.key for c in candidates], settings, args.criticality == "sheddable")
+    request = RequestBuilder().build(fleet, args.model, args.model, messages, {"cache_salt": args.cache_salt},
+                                     [c.key for c in candidates], settings, args.criticality == "sheddable")
     data: dict = {"model": args.model, "criticality": args.criticality, "settings_version": copy.version if copy else 0,
                   "rule_set": settings.rule_set, "candidates": [c.key for c in candidates],
                   "view": {c.key: {"waiting": c.waiting, "running": c.running, "kv": round(c.kv_cache_usage, 3)}

@@ -12,6 +12,7 @@ import random
 from collections import defaultdict, deque
 
 from lora_affinity_plugin.fleet import FleetView
+from lora_affinity_plugin.request_builder import RequestBuilder
 from lora_affinity_plugin.inflight import PeerShare
 from lora_affinity_plugin.placement import prefill_estimate_s
 from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS
@@ -163,6 +164,7 @@ class Rules(Policy):
         self.name = name
         self.settings = settings
         self.fleet = FleetView(settings)
+        self.requests = RequestBuilder()
         self.keys = tuple(f"r{i}" for i in range(replicas))  # a tuple: the fleet keeps its candidate list, as for the strategy
         self.fallbacks = 0
         self.rates = RateTracker()
@@ -176,8 +178,8 @@ class Rules(Policy):
         if not candidates:
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
-        request = self.fleet.route_request(adapter, adapter or BASE_MODEL, messages, _caller(tenant), self.keys,
-                                           self.settings, sheddable, now=now)
+        request = self.requests.build(self.fleet, adapter, adapter or BASE_MODEL, messages, _caller(tenant), self.keys,
+                                      self.settings, sheddable, now=now)
         self.last = None
         try:
             decision = self.decide(candidates, request)
@@ -238,7 +240,7 @@ class SimulatorTokenizer:
         return [list(chain_keys(seed, [t for b in ByteTokenizer().block_tokens(text, 1) for t in b], block_size))]
 
 
-class SimulatedTokenizerFleet(FleetView):
+class SimulatedTokenizerRequests(RequestBuilder):
     def tokenizer(self, model: str, settings: Settings) -> SimulatorTokenizer:
         return SimulatorTokenizer()
 
@@ -250,7 +252,7 @@ class ExactRules(Rules):
 
     def __init__(self, replicas: int, rng: random.Random, settings: Settings, name: str) -> None:
         super().__init__(replicas, rng, settings, name)
-        self.fleet = SimulatedTokenizerFleet(settings)
+        self.requests = SimulatedTokenizerRequests()
 
     def kv_changes(self, changes: dict) -> None:
         if self.fleet.held.number is None:
@@ -258,12 +260,12 @@ class ExactRules(Rules):
         self.fleet.held.apply(changes)
 
 
-class OracleFleet(FleetView):
+class OracleRequests(RequestBuilder):
     """Reads every engine's cache at the moment of decision: what no gateway can know (the bound)."""
 
     engines: list = []
 
-    def exact_matches(self, model, adapter, messages, request_kwargs, pods, settings) -> dict[str, float]:
+    def exact_matches(self, fleet, model, adapter, messages, request_kwargs, pods, settings) -> dict[str, float]:
         if not messages:
             return {}
         text = prompt_text({"messages": messages})
@@ -279,10 +281,10 @@ class OracleFleet(FleetView):
 class OracleRules(Rules):
     def __init__(self, replicas: int, rng: random.Random, settings: Settings, name: str) -> None:
         super().__init__(replicas, rng, settings, name)
-        self.fleet = OracleFleet(settings)
+        self.requests = OracleRequests()
 
     def attach(self, engines: list, step_ends: list[float] | None = None) -> None:
-        self.fleet.engines = engines
+        self.requests.engines = engines
 
 
 class PrefixPartition(Policy):
