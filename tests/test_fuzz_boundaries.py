@@ -298,3 +298,13 @@ def test_refreshing_over_garbage_keeps_memory_flat():
     after_100, after_300 = asyncio.run(run())
     print(f"the plugin's own memory after 100 refreshes {after_100} B, after 300 {after_300} B")
     assert after_300 - after_100 < 16 * 1024, (after_100, after_300)
+
+
+def test_what_proxies_apply_is_read_whatever_the_keys_hold():
+    from lora_affinity_plugin.inflight import applied_key, read_applied
+
+    client = fakeredis.FakeRedis()
+    client.set(applied_key("p", "host:1:a"), b"e1:4")
+    client.set(applied_key("p", "host:2:b"), b"\xff\xfe not text")
+    applied = read_applied(client, "p")
+    assert applied["host:1:a"] == "e1:4" and set(applied) == {"host:1:a", "host:2:b"}

@@ -671,6 +671,20 @@ async def test_vllms_own_publisher_is_followed_exactly_through_a_late_join_a_los
         publisher.shutdown()
 
 
+def test_a_bad_data_parallel_size_in_model_info_is_named_and_the_settings_value_used(caplog):
+    from lora_affinity_plugin.kv_follow import event_endpoints
+    from lora_affinity_plugin.settings import build_settings
+
+    settings = build_settings({"kv_events": True, "kv_events_data_parallel_size": 2}, environ={})
+    pod = "http://10.0.0.7:8000"
+    for bad in ("four", 0, 65, True, 2.5):
+        model_list = [{"model_name": "m", "litellm_params": {"model": "hosted_vllm/m", "api_base": pod + "/v1"},
+                       "model_info": {"kv_events_data_parallel_size": bad}}]
+        with caplog.at_level("WARNING"):
+            assert sorted(event_endpoints(model_list, [pod], settings)) == [pod, pod + "#dp1"]
+        assert f"kv_events_data_parallel_size {bad!r} is not a whole number from 1 to 64: 2 used" in caplog.text
+
+
 @pytest.mark.parametrize("release", __import__("vllm_wheels").releases())
 async def test_vllms_data_parallel_ranks_are_each_followed_and_a_pod_holds_what_any_rank_holds(release):
     """Two ranks of one pod, each vLLM's own publisher (rank 1 on the endpoints' ports + 1, as vLLM offsets them):

@@ -137,7 +137,7 @@ def read_applied(client: Any, prefix: str) -> dict[str, str]:
     start = len(applied_key(prefix, ""))
     keys = sorted(k.decode() if isinstance(k, bytes) else k for k in client.scan_iter(match=applied_key(prefix, "*")))
     values = client.mget(keys) if keys else []
-    return {key[start:]: value.decode() for key, value in zip(keys, values) if value is not None}
+    return {key[start:]: value.decode(errors="replace") for key, value in zip(keys, values) if value is not None}
 
 
 def members_key(prefix: str) -> str:
