@@ -243,7 +243,10 @@ class HeldBlocks:
     def match(self, pod: str, keys: Sequence[int]) -> int:
         """How many leading blocks of a prompt's chain `pod` holds: on its best rank (vLLM's server hands a request
         to one rank by load, so this is the most the pod can offer)."""
-        return max(leading(self._keys.get(key), keys) for key in self._own(pod))
+        ranks = self._ranks.get(pod)
+        if not ranks:  # (the request path's common case: one engine behind the pod)
+            return leading(self._keys.get(pod), keys)
+        return max(leading(self._keys.get(key), keys) for key in (pod, *ranks))
 
 
 def apply_entries(held: HeldBlocks, epoch: bytes, entries: Iterable[tuple[Any, Mapping[bytes, bytes]]]) -> str | None:

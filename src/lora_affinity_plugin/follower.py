@@ -114,10 +114,10 @@ class Follower:
         self._bad_records = Episode(logger, "some pod records in Redis cannot be read; those pods are left out until a good one")
         self._records_read_at = time.monotonic()
         self._records_age_s = 0.0
-        self._pod_count: int | None = None
-        """Pods the last refresh read (the model list's, `discover_pods`): none means no age to report."""
         """When the last refresh read any pod record, and the oldest one's age then: the snapshot age grows from
         there while none can be read, whatever the cause."""
+        self._pod_count: int | None = None
+        """Pods the last refresh read (the model list's, `discover_pods`): none means no age to report."""
 
     async def run(self) -> None:
         client = connect(self.base)

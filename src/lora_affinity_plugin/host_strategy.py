@@ -57,9 +57,9 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
         self.settings = settings
         self._per_group: dict[str, Settings] = {}
         self._tried: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+        """Pods already chosen per litellm_call_id (the same across LiteLLM's retries of one request)."""
         self._reasons: OrderedDict[str, tuple[str, str]] = OrderedDict()
         """Per call, its last decision's (pod, branch) until its response headers are written (`response_headers`)."""
-        """Pods already chosen per litellm_call_id (the same across LiteLLM's retries of one request)."""
         self._shed_calls: OrderedDict[str, None] = OrderedDict()
         """Calls already counted as shed: LiteLLM retries a 429, and a client sees one."""
         self.follower: Follower | None = None
