@@ -60,15 +60,20 @@ def events(draw):
               draw(st.one_of(st.lists(st.integers(-2**40, 2**40), max_size=40), values)),
               draw(st.one_of(st.integers(-4, 70_000), values)), draw(st.one_of(st.none(), st.integers(-2**63, 2**63), values)),
               draw(st.one_of(st.none(), st.sampled_from(["GPU", "CPU", "cpu", "disk"]), values)),
-              draw(st.one_of(st.none(), st.text(max_size=8), values)), draw(st.one_of(st.none(), values))]
-    fields = {"BlockStored": stored, "BlockRemoved": stored[:1] + stored[5:6], "AllBlocksCleared": [],
-              "Other": stored[:2]}[kind]
+              draw(st.one_of(st.none(), st.text(max_size=8), values)), draw(st.one_of(st.none(), values)),
+              draw(st.one_of(st.none(), st.integers(-3, 3), values)),  # group_idx and the group's kind (0.34+)
+              draw(st.one_of(st.none(), st.sampled_from(["full_attention", "sliding_window", "mamba"]), values)),
+              draw(st.one_of(st.none(), st.integers(-4, 4096), values)),
+              draw(st.one_of(st.none(), st.sampled_from(["LOCAL", "REMOTE", "remote"]), values))]
+    removed = stored[:1] + stored[5:6] + stored[8:9] + stored[11:12]
+    fields = {"BlockStored": stored, "BlockRemoved": removed, "AllBlocksCleared": [], "Other": stored[:2]}[kind]
     fields = fields[:draw(st.integers(0, len(fields)))] if draw(st.booleans()) else fields
     if draw(st.booleans()):
         return [kind, *fields]
     names = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-             "extra_keys"]
-    return {"type": kind, **dict(zip(names if kind != "BlockRemoved" else ["block_hashes", "medium"], fields))}
+             "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality"]
+    removed_names = ["block_hashes", "medium", "group_idx", "locality"]
+    return {"type": kind, **dict(zip(names if kind != "BlockRemoved" else removed_names, fields))}
 
 
 @st.composite

@@ -12,7 +12,7 @@ from lora_affinity_plugin.exact_index import ExactIndex
 from lora_affinity_plugin.kv_checkpoint import PodCheckpoint, checkpoints_key, decode_checkpoint, encode_checkpoint
 from lora_affinity_plugin.kv_events import BlockRemoved, EventBatch
 from lora_affinity_plugin.kv_subscriber import KVEventSubscriber
-from test_kv_subscriber import BS, PAGE, _publish_until_live, _serving_publisher, _until, keys, stored
+from test_kv_subscriber import BS, PAGE, _publish_until_live, _serving_publisher, _until, grouped, keys, stored
 
 PROMPTS = [[i * 1000 + t for t in range(BS)] for i in range(200)]
 
@@ -37,9 +37,31 @@ def test_a_checkpoint_round_trips_and_the_restored_index_follows_removals():
     restored.apply("p", EventBatch(1.0, (BlockRemoved((b"\x02" * 32,)),)))
     assert restored.match("p", keys(prompt[:32], "sql")) == 1  # the engine's own hash still names the block
     for bad in (b"", b"\x93\x01\x02\x03", encode_checkpoint(PodCheckpoint(1, 0.0, False))[:-1],
-                data.replace(b"C1", b"C9")):
+                data.replace(b"C2", b"C9")):
         with pytest.raises(ValueError):
             decode_checkpoint(bad)
+
+
+def test_a_checkpoint_keeps_the_kv_cache_group_it_follows_and_an_earlier_releases_is_read():
+    """A hybrid model's index follows its full-attention group: a restored index still tells a sliding-window
+    removal from the group's own; a C1 checkpoint (written before groups) restores with no group learned."""
+    import msgspec
+
+    index = ExactIndex()
+    prompt = list(range(BS))
+    index.apply("p", EventBatch(0.0, (grouped(stored([1], None, prompt), 1, "full_attention"),
+                                      grouped(stored([1], None, prompt), 0, "sliding_window"))))
+    blocks = index.held_by_hash("p")
+    checkpoint = decode_checkpoint(encode_checkpoint(PodCheckpoint(3, 1.0, False, blocks.block_size, 0,
+                                                                   blocks.by_hash, blocks.group, blocks.group_kind)))
+    assert (checkpoint.group, checkpoint.group_kind) == (1, "full_attention")
+    restored = ExactIndex()
+    restored.restore("p", checkpoint.blocks, checkpoint.block_size, 0, False, checkpoint.group, checkpoint.group_kind)
+    restored.apply("p", EventBatch(1.0, (BlockRemoved((1,), "GPU", 0),)))  # the window moved on
+    assert restored.match("p", keys(prompt)) == 1
+    earlier = msgspec.msgpack.encode(["C1", 3, 1.0, False, BS, 0, [1, keys(prompt)[0]]])
+    old = decode_checkpoint(earlier)
+    assert (old.seq, old.group, old.blocks) == (3, None, {1: keys(prompt)[0]})
 
 
 async def _follow_once(endpoints, checkpoint=None):

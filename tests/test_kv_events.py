@@ -39,12 +39,20 @@ class NewStored(NewEvent, tag="BlockStored"):
     lora_name: str | None
     extra_keys: list[tuple | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class NewRemoved(NewEvent, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class NewCleared(NewEvent, tag="AllBlocksCleared"):
@@ -105,6 +113,33 @@ def test_a_current_vllm_batch_decodes_field_for_field():
     assert removed == BlockRemoved((b"\x01" * 32,), "GPU") and cleared == AllBlocksCleared()
 
 
+class ArrayStored(NewStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class ArrayRemoved(NewRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+@pytest.mark.parametrize("stored_type, removed_type", [(NewStored, NewRemoved), (ArrayStored, ArrayRemoved)])
+def test_a_hybrid_models_group_and_a_tiers_locality_decode_in_either_layout(stored_type, removed_type):
+    """vLLM 0.34's store names its KV-cache group, the group's kind and the tier's locality (fields after them,
+    `ownership` to `lookahead_token_ids`, hold their places in the array layout); a removal names group and
+    locality."""
+    sent = NewBatch(ts=1.0, events=[
+        stored_type(block_hashes=[5], parent_block_hash=None, token_ids=TOKENS[:16], block_size=16, lora_id=None,
+                    medium="GPU", lora_name=None, group_idx=2, kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=4096, locality="LOCAL", ownership="tier-1", session_id="s",
+                    lookahead_token_ids=[[1, 2]]),
+        removed_type(block_hashes=[5], medium="GPU", group_idx=2, locality="REMOTE", ownership="tier-1")])
+    stored, removed = decode_batch(msgspec.msgpack.encode(sent)).events
+    assert stored == BlockStored((5,), None, tuple(TOKENS[:16]), 16, None, "GPU", None, None, 2, "sliding_window", 4096,
+                                 "LOCAL")
+    assert removed == BlockRemoved((5,), "GPU", 2, "REMOTE")
+    ours = EventBatch(1.0, (stored, removed))
+    assert decode_batch(encode_batch(ours, "map")) == ours == decode_batch(encode_batch(ours, "array"))
+
+
 def test_an_older_vllm_batch_of_arrays_decodes_too():
     sent = OldKVBatch(ts=3.0, events=[OldStored([11, 12], 10, TOKENS, 16, None, None), OldRemoved([11], None),
                                       OldCleared()])
@@ -141,6 +176,10 @@ def _old(batch: EventBatch) -> bytes:
     (msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockStored", "block_hashes": [1]}]}),
      "BlockStored lacks parent_block_hash, token_ids, block_size"),
     (msgspec.msgpack.encode("hello"), "EventBatch: a map or an array, got str"),
+    (msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved", "block_hashes": [1], "group_idx": [0]}]}),
+     r"BlockRemoved.group_idx must be an integer or absent, got \[0\]"),
+    (msgspec.msgpack.encode({"ts": 1.0, "events": [["BlockRemoved", [1], "GPU", 0, 7]]}),
+     "BlockRemoved.locality must be a string or absent, got 7"),
 ])
 def test_a_bad_payload_is_refused_with_what_is_wrong(payload, fragment):
     with pytest.raises(KVEventFormatError, match=fragment):

@@ -37,6 +37,14 @@ def stored(hashes, parent, tokens, lora=None, salt=None):
     return BlockStored(tuple(hashes), parent, tuple(tokens), BS, None, "GPU", lora, extra)
 
 
+def grouped(event, group, kind=None, locality=None):
+    """`event` as vLLM 0.34+ names its KV-cache group (a store also its kind) and its tier's locality."""
+    import dataclasses
+    if isinstance(event, BlockStored):
+        return dataclasses.replace(event, group_idx=group, kv_cache_spec_kind=kind, locality=locality)
+    return dataclasses.replace(event, group_idx=group, locality=locality)
+
+
 def keys(tokens, lora=None, salt=None):
     return list(chain_keys(chain_seed(lora, salt), tokens, BS))
 
@@ -908,3 +916,73 @@ def test_a_removal_from_another_tier_leaves_the_gpus_block_and_its_stores_are_no
     assert index.match("p", keys(prompt)) == 1 and index.match("p", keys([t + 500 for t in prompt])) == 0
     index.apply("p", EventBatch(2.0, (BlockRemoved((1,), "GPU"),)))
     assert index.match("p", keys(prompt)) == 0
+
+
+def test_a_hybrid_models_sliding_window_group_and_a_remote_tier_leave_the_full_attention_blocks():
+    """vLLM 0.34 names each event's KV-cache group: a hybrid model's sliding-window (or mamba) group holds the same
+    hashes as its full-attention group and drops them as the window moves on, which must not drop the
+    full-attention block a prompt's hit is bounded by. A REMOTE tier's events are not this engine's."""
+    index = ExactIndex()
+    a, b, c = list(range(BS)), [t + 100 for t in range(BS)], [t + 200 for t in range(BS)]
+    index.apply("p", EventBatch(0.0, (grouped(stored([1], None, a), 0, "sliding_window"),
+                                      grouped(stored([1], None, a), 1, "full_attention"))))
+    assert index.held_by_hash("p").group == 1 and index.match("p", keys(a)) == 1
+    index.apply("p", EventBatch(1.0, (grouped(stored([2], 1, b), 0, "sliding_window"),
+                                      grouped(stored([2], 1, b), 1, "full_attention"),
+                                      grouped(BlockRemoved((1,), "GPU"), 0))))  # out of the window
+    assert index.match("p", keys(a + b)) == 2
+    index.apply("p", EventBatch(2.0, (grouped(stored([3], None, c), 1, "full_attention", "REMOTE"),
+                                      grouped(BlockRemoved((2,), "GPU"), 1, locality="REMOTE"))))
+    assert index.match("p", keys(c)) == 0 and index.match("p", keys(a + b)) == 2
+    index.apply("p", EventBatch(3.0, (grouped(BlockRemoved((2,), "GPU"), 1, locality="LOCAL"),)))
+    assert index.match("p", keys(a + b)) == 1  # the full-attention group's own removal
+    # A model with no full-attention group is followed on the first group it names; a full-attention group
+    # named later (a mid-batch start) takes over from a clean slate.
+    index.apply("q", EventBatch(0.0, (grouped(stored([5], None, a), 0, "mamba"),)))
+    assert index.match("q", keys(a)) == 1
+    index.apply("q", EventBatch(1.0, (grouped(stored([6], None, b), 2, "full_attention"),
+                                      grouped(stored([7], None, c), 0, "mamba"))))
+    assert (index.match("q", keys(a)), index.match("q", keys(b)), index.match("q", keys(c))) == (0, 1, 0)
+    assert index.held_by_hash("q").group == 2
+
+
+async def test_vllms_own_hybrid_model_events_are_followed_on_the_full_attention_group():
+    """vLLM 0.34's own publisher and structs, a hybrid model's events as it sends them: every block stored in a
+    sliding-window and a full-attention group, the window's removals, and a REMOTE tier's store."""
+    import vllm_wheels
+
+    vllm = vllm_wheels.publisher_module(vllm_wheels.NEWEST)
+    pub_port, replay_port = free_port(), free_port()
+    publisher = vllm.ZmqEventPublisher(endpoint=f"tcp://*:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+                                       buffer_steps=100, topic="kv", data_parallel_rank=0)
+    prompts = [[i * 1000 + t for t in range(BS)] for i in range(4)]
+
+    def store(h, parent, tokens, group, kind, locality=None):
+        return vllm.BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=tokens, block_size=BS,
+                                lora_id=None, medium="GPU", lora_name=None, group_idx=group, kv_cache_spec_kind=kind,
+                                kv_cache_spec_sliding_window=BS if kind == "sliding_window" else None,
+                                locality=locality)
+
+    def batch(*events):
+        return vllm.KVEventBatch(ts=time.time(), events=list(events))
+
+    subscriber = KVEventSubscriber({"p": EventEndpoints(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}",
+                                                        topic="kv")})
+    stop = asyncio.Event()
+    follow = asyncio.create_task(subscriber.run(stop))
+    try:
+        publisher.publish(batch(store(1, None, prompts[0], 0, "sliding_window"),
+                                store(1, None, prompts[0], 1, "full_attention")))
+        publisher.publish(batch(store(2, 1, prompts[1], 0, "sliding_window"), store(2, 1, prompts[1], 1, "full_attention"),
+                                vllm.BlockRemoved(block_hashes=[1], medium="GPU", group_idx=0)))
+        publisher.publish(batch(store(3, None, prompts[2], 1, "full_attention", locality="REMOTE")))
+        await _until(lambda: subscriber.streams["p"].last_seq == 2)
+        index = subscriber.index
+        assert index.match("p", keys(prompts[0] + prompts[1])) == 2 and index.match("p", keys(prompts[2])) == 0
+        publisher.publish(batch(vllm.BlockRemoved(block_hashes=[2], medium="GPU", group_idx=1)))
+        await _until(lambda: subscriber.streams["p"].last_seq == 3)
+        assert index.match("p", keys(prompts[0] + prompts[1])) == 1 and subscriber.streams["p"].bad_payloads == 0
+    finally:
+        stop.set()
+        await follow
+        publisher.shutdown()

@@ -26,6 +26,9 @@ class PodBlocks:
     """Blocks stored after a parent this index never saw (a stream joined late): their keys are unknown."""
     partial: bool = False
     """The engine may hold blocks this index never saw stored (the subscriber's `PodStream.partial`)."""
+    group: int | None = None
+    """The engine's KV-cache group these blocks are from (None: its events name no group)."""
+    group_kind: str | None = None
 
 
 class ExactIndex:
@@ -79,8 +82,9 @@ class ExactIndex:
     def apply(self, pod: str, batch: EventBatch) -> None:
         blocks = self._pods.setdefault(pod, PodBlocks())
         for event in batch.events:
-            if isinstance(event, (BlockStored, BlockRemoved)) and not _on_gpu(event.medium):
-                continue  # another tier (CPU offload, storage) names the same hashes: its changes are not the GPU's
+            if isinstance(event, (BlockStored, BlockRemoved)) and not (
+                    _on_gpu(event.medium, event.locality) and self._in_group(pod, blocks, event)):
+                continue
             if isinstance(event, BlockStored):
                 self._stored(pod, blocks, event)
             elif isinstance(event, BlockRemoved):
@@ -89,6 +93,26 @@ class ExactIndex:
             elif isinstance(event, AllBlocksCleared):
                 self.clear(pod)
                 blocks = self._pods.setdefault(pod, PodBlocks())
+
+    def _in_group(self, pod: str, blocks: PodBlocks, event: BlockStored | BlockRemoved) -> bool:
+        """Whether an event is about the group that bounds a prompt's cache hit. A hybrid model keeps its
+        sliding-window or mamba layers in groups of their own, under the same block hashes, and drops their
+        blocks as the window moves on while the full-attention group still holds them: the index follows one
+        full-attention group (the first it sees; the first group of any kind where the model has none)."""
+        group = event.group_idx
+        if group is None or group == blocks.group:
+            return True
+        if isinstance(event, BlockRemoved):
+            return blocks.group is None  # (a group not yet learned: the removal is applied, never over-claimed)
+        if blocks.group is not None and (_bounds_prefix(blocks.group_kind)
+                                         or not _bounds_prefix(event.kv_cache_spec_kind)):
+            return False
+        if blocks.group is not None:  # a full-attention group after another kind's: start over on it
+            for h in list(blocks.by_hash):
+                self._drop(pod, blocks, blocks.by_hash.pop(h))
+            blocks.unresolved = 0
+        blocks.group, blocks.group_kind = group, event.kv_cache_spec_kind
+        return True
 
     def _drop(self, pod: str, blocks: PodBlocks, key: int | None) -> None:
         if key is None:
@@ -135,9 +159,11 @@ class ExactIndex:
         return self._pods.get(pod)
 
     def restore(self, pod: str, by_hash: dict[BlockHash, int | None], block_size: int | None,
-                unresolved: int = 0, partial: bool = False) -> None:
+                unresolved: int = 0, partial: bool = False, group: int | None = None,
+                group_kind: str | None = None) -> None:
         """The pod's blocks from a checkpoint, replacing what was held: shared as a whole new set of keys."""
-        blocks = PodBlocks(by_hash=dict(by_hash), block_size=block_size, unresolved=unresolved, partial=partial)
+        blocks = PodBlocks(by_hash=dict(by_hash), block_size=block_size, unresolved=unresolved, partial=partial,
+                           group=group, group_kind=group_kind)
         for key in blocks.by_hash.values():
             if key is not None:
                 blocks.keys[key] = blocks.keys.get(key, 0) + 1
@@ -186,7 +212,15 @@ def _salt(event: BlockStored) -> str | None:
     return rest[-1] if rest else None
 
 
-def _on_gpu(medium: object) -> bool:
-    """Whether an event is about the GPU's KV cache, the one a request is admitted from (None: releases and
-    engines that name no tier)."""
-    return medium is None or (isinstance(medium, str) and medium.upper() == "GPU")
+def _on_gpu(medium: object, locality: object) -> bool:
+    """Whether an event is about this engine's GPU KV cache, the one a request is admitted from: another tier (CPU
+    offload, storage) or a REMOTE one names the same hashes, and its changes are not the GPU's (None: releases
+    and engines that name no tier)."""
+    return ((medium is None or (isinstance(medium, str) and medium.upper() == "GPU"))
+            and not (isinstance(locality, str) and locality.upper() == "REMOTE"))
+
+
+def _bounds_prefix(kind: str | None) -> bool:
+    """Whether a group's blocks bound a prompt's cache hit: full attention needs every block before the hit (a
+    group of unnamed kind is taken as one)."""
+    return kind is None or kind == "full_attention"

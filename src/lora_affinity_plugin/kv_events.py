@@ -4,7 +4,10 @@ vLLM (`--kv-events-config`) publishes on a ZeroMQ PUB socket, one multipart mess
 `(topic, sequence, payload)`, the sequence an 8-byte big-endian counter from 0, the payload a msgpack
 `EventBatch` (`ts`, `events`, `data_parallel_rank`) whose events are `BlockStored` (the blocks' hashes, the
 parent block's hash, their token ids, the block size, the LoRA id, the medium, the LoRA name),
-`BlockRemoved` (hashes, medium) and `AllBlocksCleared`. A ROUTER socket replays what a subscriber missed:
+`BlockRemoved` (hashes, medium) and `AllBlocksCleared`. Since 0.34 both block events also say which of the
+engine's KV-cache groups they are about (`group_idx`; a hybrid model keeps sliding-window or mamba layers in
+groups of their own, and a store names its group's kind) and whether the tier is this engine's (`locality`,
+LOCAL or REMOTE). A ROUTER socket replays what a subscriber missed:
 it sends `(b"", start sequence)` and gets `(b"", sequence, payload)` for every buffered batch from there
 on, then `(b"", -1, b"")`.
 
@@ -43,12 +46,21 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     """Per block, what else its hash covers (the LoRA name, a `cache_salt`, media), when the server says."""
+    group_idx: int | None = None
+    """The engine's KV-cache group (None: releases and engines with one group)."""
+    kv_cache_spec_kind: str | None = None
+    """That group's kind: `full_attention`, `sliding_window`, `mamba`, ..."""
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    """LOCAL or REMOTE: whether the tier is the publishing engine's own (None: unspecified)."""
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +82,13 @@ class KVEventFormatError(ValueError):
     """A payload that is not a KV event batch of any known release."""
 
 
-# Field order of each struct on the wire (array layout), as vLLM declares them.
+# Field order of each struct on the wire (array layout), as vLLM declares them; the fields this module does not
+# read (`ownership`, `session_id`, `lookahead_token_ids`) hold their places.
 _FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name", "extra_keys"),
-    "BlockRemoved": ("block_hashes", "medium"),
+                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                    "locality", "ownership", "session_id", "lookahead_token_ids"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
     "AllBlocksCleared": (),
 }
 _BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
@@ -122,16 +136,30 @@ def _event(raw: Any) -> KVEvent:
     if missing:
         raise KVEventFormatError(f"{kind} lacks {', '.join(missing)}")
     try:
+        group = _optional(fields, "group_idx", int, kind)
+        locality = _optional(fields, "locality", str, kind)
         if kind == "BlockStored":
             extra = fields.get("extra_keys")
+            window = fields.get("kv_cache_spec_sliding_window")
             return BlockStored(tuple(fields["block_hashes"]), fields["parent_block_hash"], tuple(fields["token_ids"]),
                                int(fields["block_size"]), fields.get("lora_id"), fields.get("medium"),
-                               fields.get("lora_name"), None if extra is None else tuple(extra))
+                               fields.get("lora_name"), None if extra is None else tuple(extra), group,
+                               _optional(fields, "kv_cache_spec_kind", str, kind),
+                               window if isinstance(window, int) else None, locality)
         if kind == "BlockRemoved":
-            return BlockRemoved(tuple(fields["block_hashes"]), fields.get("medium"))
+            return BlockRemoved(tuple(fields["block_hashes"]), fields.get("medium"), group, locality)
     except (TypeError, ValueError) as exc:
         raise KVEventFormatError(f"{kind}: {exc}") from None
     return AllBlocksCleared()
+
+
+def _optional(fields: dict[str, Any], name: str, wanted: type, kind: str) -> Any:
+    """A field the index acts on, absent or of its type (a bool is no group number)."""
+    value = fields.get(name)
+    if value is None or (isinstance(value, wanted) and not isinstance(value, bool)):
+        return value
+    raise KVEventFormatError(f"{kind}.{name} must be {'an integer' if wanted is int else 'a string'} or absent, "
+                             f"got {value!r:.40}")
 
 
 def encode_batch(batch: EventBatch, layout: Layout = "map") -> bytes:
@@ -150,11 +178,13 @@ def encode_batch(batch: EventBatch, layout: Layout = "map") -> bytes:
 
 def _values(event: KVEvent) -> tuple[str, list[tuple[str, Any]]]:
     kind = type(event).__name__
-    return kind, [(name, getattr(event, name)) for name in _FIELDS[kind]]
+    return kind, [(name, getattr(event, name, None)) for name in _FIELDS[kind]]
 
 
-_OPTIONAL = {"extra_keys"}
-"""Fields with a default on the server's side: left out when they hold it (msgspec's `omit_defaults`)."""
+_OPTIONAL = {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership",
+             "session_id", "lookahead_token_ids"}
+"""Fields with a default on the server's side: left out when they hold it (msgspec's `omit_defaults`: in the
+array layout only from the end)."""
 
 
 def _map(event: KVEvent) -> dict[str, Any]:
@@ -168,10 +198,9 @@ def _map(event: KVEvent) -> dict[str, Any]:
 
 def _array(event: KVEvent) -> list[Any]:
     kind, values = _values(event)
-    out: list[Any] = [kind] + [list(v) if isinstance(v, tuple) else v for _, v in values]
-    if values and values[-1][0] in _OPTIONAL and values[-1][1] is None:
-        out.pop()
-    return out
+    while values and values[-1][0] in _OPTIONAL and values[-1][1] is None:
+        values.pop()
+    return [kind] + [list(v) if isinstance(v, tuple) else v for _, v in values]
 
 
 def sequence_bytes(seq: int) -> bytes:

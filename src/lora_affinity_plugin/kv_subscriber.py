@@ -108,7 +108,7 @@ class KVEventSubscriber:
         if stream is None or stream.last_seq is None or stream.last_ts is None or blocks is None:
             return None
         return PodCheckpoint(stream.last_seq, stream.last_ts, stream.partial, blocks.block_size, blocks.unresolved,
-                             blocks.by_hash)
+                             blocks.by_hash, blocks.group, blocks.group_kind)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
@@ -277,7 +277,8 @@ class KVEventSubscriber:
         return False
 
     def _restore(self, pod: str, stream: PodStream, checkpoint: PodCheckpoint) -> None:
-        self.index.restore(pod, checkpoint.blocks, checkpoint.block_size, checkpoint.unresolved, checkpoint.partial)
+        self.index.restore(pod, checkpoint.blocks, checkpoint.block_size, checkpoint.unresolved, checkpoint.partial,
+                           checkpoint.group, checkpoint.group_kind)
         stream.last_seq, stream.last_ts = checkpoint.seq, checkpoint.ts
         stream.partial, stream.resumed = checkpoint.partial, True
 
