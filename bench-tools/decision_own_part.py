@@ -23,14 +23,14 @@ warnings.simplefilter("ignore")
 
 import litellm  # noqa: E402
 
-from lora_affinity_plugin.fleet import FleetView  # noqa: E402
-from lora_affinity_plugin.pods import discover_pods  # noqa: E402
+from lora_affinity_plugin.fleet.view import FleetView  # noqa: E402
+from lora_affinity_plugin.fleet.pods import discover_pods  # noqa: E402
 try:
-    from lora_affinity_plugin.podstate import PodMetrics  # noqa: E402
+    from lora_affinity_plugin.routing.podstate import PodMetrics  # noqa: E402
 except ImportError:  # versions before podstate.py kept it with the rules
-    from lora_affinity_plugin.scheduling import PodMetrics  # type: ignore[no-redef]  # noqa: E402
-from lora_affinity_plugin.settings import build_settings  # noqa: E402
-from lora_affinity_plugin.store import PodRecord  # noqa: E402
+    from lora_affinity_plugin.routing.scheduling import PodMetrics  # type: ignore[no-redef]  # noqa: E402
+from lora_affinity_plugin.config.settings import build_settings  # noqa: E402
+from lora_affinity_plugin.fleet.store import PodRecord  # noqa: E402
 from lora_affinity_plugin.strategy import LoraAffinityStrategy  # noqa: E402
 
 DEPLOYMENTS = 64

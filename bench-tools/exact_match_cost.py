@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_kv_subscriber import _train_tokenizer  # noqa: E402
 
 from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE  # noqa: E402
-from lora_affinity_plugin.exact_share import PodChange  # noqa: E402
-from lora_affinity_plugin.fleet import FleetView  # noqa: E402
-from lora_affinity_plugin.request_builder import RequestBuilder  # noqa: E402
-from lora_affinity_plugin.settings import build_settings  # noqa: E402
+from lora_affinity_plugin.kv.exact_share import PodChange  # noqa: E402
+from lora_affinity_plugin.fleet.view import FleetView  # noqa: E402
+from lora_affinity_plugin.fleet.request_builder import RequestBuilder  # noqa: E402
+from lora_affinity_plugin.config.settings import build_settings  # noqa: E402
 
 
 def measure(exact: bool, tokenizer: Path, template: Path, one_message: bool, requests: int = 2_000

@@ -26,7 +26,7 @@ from lora_affinity_lab.bench.live import Fleet
 from lora_affinity_lab.bench.scenarios import get_scenario
 from lora_affinity_lab.bench.tokenizer_files import write_tokenizer_files
 from lora_affinity_lab.processes import free_port, redis_server, scratch_dir
-from lora_affinity_plugin.settings import Settings
+from lora_affinity_plugin.config.settings import Settings
 
 PROMPT_CHARS = 16384
 RATE_HZ = 250

@@ -67,7 +67,7 @@ def main() -> int:
     base = free_port_range(3)
     redis_port, proxy_port = (next(p for p in iter(free_port, None) if not base <= p < base + 3) for _ in range(2))
     store = redis_server(redis_port, tmp)
-    procs = [Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "3", "--base-port",
+    procs = [Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "3", "--base-port",
                           str(base), "--speed", "10", "--max-loras", "2", "--mean-output-tokens", "20"], tmp)]
     try:
         for port in range(base, base + 3):
@@ -77,7 +77,7 @@ def main() -> int:
         procs.append(litellm_proxy(config, proxy_port, tmp))
         url = f"http://127.0.0.1:{proxy_port}"
         completed: dict[str, list[int]] = {skew: [] for skew in SKEWS}
-        warm = Proc("scraper-warm-up", [sys.executable, "-m", "lora_affinity_plugin.cli", "scrape", "--config", str(config)],
+        warm = Proc("scraper-warm-up", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "scrape", "--config", str(config)],
                     tmp)
         try:  # first requests build the proxy's clients and the replicas' adapters: not a phase's
             time.sleep(1.0)
@@ -86,7 +86,7 @@ def main() -> int:
             warm.stop()
         for r in range(rounds):
             for skew in SKEWS:
-                args = [sys.executable, "-m", "lora_affinity_plugin.cli", "scrape", "--config", str(config)]
+                args = [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "scrape", "--config", str(config)]
                 if skew != "none":
                     args = ["faketime", "-f", skew, *args]
                 scraper = Proc(f"scraper-{r}-{skew}", args, tmp, env=child_env(FAKETIME_DONT_FAKE_MONOTONIC="1"))

@@ -3,7 +3,7 @@
     .venv/bin/python bench-tools/tokenize_cap_cost.py [ROUNDS]
 
 Both readings in one run, rounds interleaved, each prompt unseen (its head not cached); medians. The tokenizer is
-the small BPE the tests train (`tests/test_kv_subscriber.py`); a model's own tokenizer.json is slower per
+the small BPE the tests train (`tests/kv/test_kv_subscriber.py`); a model's own tokenizer.json is slower per
 character, so the ratio is what carries over.
 """
 
@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_kv_subscriber import _train_tokenizer  # noqa: E402
 
-from lora_affinity_plugin.settings import build_settings  # noqa: E402
-from lora_affinity_plugin.tokenization import PromptTokenizer  # noqa: E402
+from lora_affinity_plugin.config.settings import build_settings  # noqa: E402
+from lora_affinity_plugin.kv.tokenization import PromptTokenizer  # noqa: E402
 
 
 def main(rounds: int = 5) -> None:

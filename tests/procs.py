@@ -27,7 +27,7 @@ def fake_pods(ports: list[int], log_dir: Path) -> Proc:
     return proc
 
 
-CLI = [sys.executable, "-m", "lora_affinity_plugin.cli", "--log-level", "WARNING"]
+CLI = [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "--log-level", "WARNING"]
 
 
 BENCH_TOOLS = Path(__file__).resolve().parents[1] / "bench-tools"

@@ -11,8 +11,8 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from lora_affinity_plugin.podstate import PodCounters
-from lora_affinity_plugin.podstate import PodMetrics
+from lora_affinity_plugin.routing.podstate import PodCounters
+from lora_affinity_plugin.routing.podstate import PodMetrics
 
 FORMAT1_METRICS = ("num_requests_waiting", "num_requests_running", "kv_cache_usage", "running_lora_adapters",
                    "waiting_lora_adapters", "max_lora", "loaded_lora_adapters", "block_size", "num_gpu_blocks",

@@ -1,7 +1,7 @@
 """Test helper: pods' records as an asyncio Redis client reads them (the proxies read them in their refresh script,
 `ops` with a sync client)."""
 
-from lora_affinity_plugin.store import decode_records, pod_key
+from lora_affinity_plugin.fleet.store import decode_records, pod_key
 
 
 async def read_records(client, settings, pods):

@@ -17,19 +17,19 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lora_affinity_plugin.exact_index import ExactIndex
-from lora_affinity_plugin.discovery import served_models_key
-from lora_affinity_plugin.exact_share import (HeldBlocks, PodChange, apply_entries, changes_key, decode_changes,
+from lora_affinity_plugin.kv.exact_index import ExactIndex
+from lora_affinity_plugin.fleet.discovery import served_models_key
+from lora_affinity_plugin.kv.exact_share import (HeldBlocks, PodChange, apply_entries, changes_key, decode_changes,
                                               encode_changes, snapshot_key)
-from lora_affinity_plugin.fleet import FleetView
-from lora_affinity_plugin.follower import Follower
-from lora_affinity_plugin.inflight import inflight_key, members_key, prefix_stream_key
-from lora_affinity_plugin.kv_events import BlockStored, EventBatch, encode_batch
-from lora_affinity_plugin.kv_subscriber import KVEventSubscriber, _replay_reply
-from lora_affinity_plugin.podstate import PodMetrics
-from lora_affinity_plugin.live_settings import settings_key
-from lora_affinity_plugin.settings import Settings, SettingsError, build_settings
-from lora_affinity_plugin.store import PodRecord, decode_records, pod_key
+from lora_affinity_plugin.fleet.view import FleetView
+from lora_affinity_plugin.fleet.follower import Follower
+from lora_affinity_plugin.fleet.inflight import inflight_key, members_key, prefix_stream_key
+from lora_affinity_plugin.kv.kv_events import BlockStored, EventBatch, encode_batch
+from lora_affinity_plugin.kv.kv_subscriber import KVEventSubscriber, _replay_reply
+from lora_affinity_plugin.routing.podstate import PodMetrics
+from lora_affinity_plugin.config.live_settings import settings_key
+from lora_affinity_plugin.config.settings import Settings, SettingsError, build_settings
+from lora_affinity_plugin.fleet.store import PodRecord, decode_records, pod_key
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 
@@ -248,7 +248,7 @@ def test_the_good_batch_used_above_applies_alone():
 
 
 def test_what_a_proxy_cannot_use_is_counted_by_kind():
-    from lora_affinity_plugin.metrics import INPUTS_DROPPED
+    from lora_affinity_plugin.telemetry.metrics import INPUTS_DROPPED
 
     base = build_settings({"kv_events": True}, environ={})
 
@@ -306,7 +306,7 @@ def test_refreshing_over_garbage_keeps_memory_flat():
 
 
 def test_what_proxies_apply_is_read_whatever_the_keys_hold():
-    from lora_affinity_plugin.inflight import applied_key, read_applied
+    from lora_affinity_plugin.fleet.inflight import applied_key, read_applied
 
     client = fakeredis.FakeRedis()
     client.set(applied_key("p", "host:1:a"), b"e1:4")

@@ -1,8 +1,8 @@
 """Writes deploy/grafana/lora-affinity.json, the plugin's Grafana dashboard: `python deploy/grafana/dashboard.py`.
 
 Plain Python, no Grafana library: each panel is a title, its PromQL and a unit, which keeps the queries
-readable and lets tests/test_e2e_prometheus.py evaluate every one of them on a real Prometheus (and
-tests/test_alerts.py check the JSON is what this file writes). Works for one proxy or many: every
+readable and lets tests/e2e/test_e2e_prometheus.py evaluate every one of them on a real Prometheus (and
+tests/ops/test_alerts.py check the JSON is what this file writes). Works for one proxy or many: every
 query aggregates or groups by labels (`instance`, `model_group`, `pod`), never a hard-coded pod.
 """
 

@@ -3,15 +3,15 @@
 Proxy users list one line in `config.yaml`:
     litellm_settings:
       callbacks: ["lora_affinity_plugin.strategy.proxy_plugin"]
-Python users call `install(router, settings)`. The strategy lives in `host_strategy.py`, the callback in
-`proxy_callback.py` (imported only when asked for: a Python user's router needs no proxy callback).
+Python users call `install(router, settings)`. The strategy lives in `host/host_strategy.py`, the callback in
+`host/proxy_callback.py` (imported only when asked for: a Python user's router needs no proxy callback).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .host_strategy import LoraAffinityStrategy, install, installed_strategy
+from .host.host_strategy import LoraAffinityStrategy, install, installed_strategy
 
 __all__ = ["LoraAffinityStrategy", "install", "installed_strategy"]  # (and proxy_plugin, on request)
 
@@ -19,7 +19,7 @@ __all__ = ["LoraAffinityStrategy", "install", "installed_strategy"]  # (and prox
 def __getattr__(name: str) -> Any:
     """`lora_affinity_plugin.strategy.proxy_plugin`, the callback line users have, resolves to the proxy callback."""
     if name in ("proxy_plugin", "ProxyPlugin"):
-        from . import proxy_callback
+        from .host import proxy_callback
 
         return getattr(proxy_callback, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -214,7 +214,7 @@ def litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "proxy", e
 
 
 def lora_affinity(args: list[str], log_dir: Path, name: str, env: dict | None = None) -> Proc:
-    return Proc(name, [sys.executable, "-m", "lora_affinity_plugin.cli", *args], log_dir, env=env)
+    return Proc(name, [sys.executable, "-m", "lora_affinity_plugin.ops.cli", *args], log_dir, env=env)
 
 
 _SCRATCH: list[Path] = []

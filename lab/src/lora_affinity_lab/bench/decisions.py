@@ -15,11 +15,11 @@ import time
 
 import litellm
 
-from lora_affinity_plugin.compat import model_list, register_strategy
-from lora_affinity_plugin.fleet import FleetView
-from lora_affinity_plugin.podstate import PodMetrics
-from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.store import PodRecord
+from lora_affinity_plugin.host.compat import model_list, register_strategy
+from lora_affinity_plugin.fleet.view import FleetView
+from lora_affinity_plugin.routing.podstate import PodMetrics
+from lora_affinity_plugin.config.settings import build_settings
+from lora_affinity_plugin.fleet.store import PodRecord
 from lora_affinity_plugin.strategy import LoraAffinityStrategy
 
 ADAPTERS = [f"adapter-{i}" for i in range(24)]
@@ -107,7 +107,7 @@ async def _measure(n: int, iterations: int, seed: int, prompt_chars: int = 0) ->
     fleet = FleetView(settings)
     strategy = LoraAffinityStrategy(plugin_router, settings, rng=random.Random(seed), fleet=fleet)
     register_strategy(plugin_router, strategy)  # no refresher: the fleet is fed below, no Redis at all
-    from lora_affinity_plugin.pods import discover_pods
+    from lora_affinity_plugin.fleet.pods import discover_pods
 
     pods = discover_pods(model_list(plugin_router))
     fleet.update(_records(pods, rng, time.time()))

@@ -14,13 +14,13 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from lora_affinity_plugin.exact_index import ExactIndex
-from lora_affinity_plugin.inflight import merge_shares
-from lora_affinity_plugin.kv_events import EventBatch
+from lora_affinity_plugin.kv.exact_index import ExactIndex
+from lora_affinity_plugin.fleet.inflight import merge_shares
+from lora_affinity_plugin.kv.kv_events import EventBatch
 from ..sim.arguments import parse_profiles
 from ..sim.engine import EngineConfig, ReplicaEngine, Sequence
 from ..sim.kv_cache import block_hashes, count_tokens, prompt_text
-from lora_affinity_plugin.podstate import PodMetrics
+from lora_affinity_plugin.routing.podstate import PodMetrics
 from .policies import SHED, Policy, make_policy
 from .prefix_workloads import BACKGROUND_OUTPUT_TOKENS, PrefixWorkload, background_arrivals
 from .prompt_shapes import lora_prompt

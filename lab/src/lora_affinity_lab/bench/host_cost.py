@@ -43,7 +43,7 @@ from dataclasses import replace
 import httpx
 
 from ..processes import MASTER_KEY, free_port, redis_server, scratch_dir
-from lora_affinity_plugin.settings import Settings
+from lora_affinity_plugin.config.settings import Settings
 from .live import Fleet, shared_exact_index
 from .prefix_workloads import _WORDS
 from .tokenizer_files import write_tokenizer_files

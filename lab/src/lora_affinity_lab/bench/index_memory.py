@@ -11,11 +11,11 @@ import random
 import time
 import tracemalloc
 
-from lora_affinity_plugin.fleet import FleetView
-from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS, encode_entries
-from lora_affinity_plugin.podstate import PodMetrics
-from lora_affinity_plugin.settings import build_settings
-from lora_affinity_plugin.store import PodRecord
+from lora_affinity_plugin.fleet.view import FleetView
+from lora_affinity_plugin.kv.prefix_index import SHARE_MAX_BLOCKS, encode_entries
+from lora_affinity_plugin.routing.podstate import PodMetrics
+from lora_affinity_plugin.config.settings import build_settings
+from lora_affinity_plugin.fleet.store import PodRecord
 
 
 def run_index_memory(args: argparse.Namespace) -> int:

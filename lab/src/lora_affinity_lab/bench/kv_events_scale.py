@@ -17,13 +17,13 @@ import statistics
 import time
 import tracemalloc
 
-from lora_affinity_plugin.exact_index import ExactIndex
-from lora_affinity_plugin.exact_share import encode_changes
-from lora_affinity_plugin.kv_checkpoint import PodCheckpoint, decode_checkpoint, encode_checkpoint
-from lora_affinity_plugin.kv_events import BlockRemoved, BlockStored, EventBatch
-from lora_affinity_plugin.kv_follow import CHECKPOINT_EVERY_S
-from lora_affinity_plugin.kv_subscriber import EventEndpoints, KVEventSubscriber
-from lora_affinity_plugin.podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN
+from lora_affinity_plugin.kv.exact_index import ExactIndex
+from lora_affinity_plugin.kv.exact_share import encode_changes
+from lora_affinity_plugin.kv.kv_checkpoint import PodCheckpoint, decode_checkpoint, encode_checkpoint
+from lora_affinity_plugin.kv.kv_events import BlockRemoved, BlockStored, EventBatch
+from lora_affinity_plugin.scraping.kv_follow import CHECKPOINT_EVERY_S
+from lora_affinity_plugin.kv.kv_subscriber import EventEndpoints, KVEventSubscriber
+from lora_affinity_plugin.routing.podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN
 
 BLOCK = 16
 BLOCKS_PER_BATCH = 8

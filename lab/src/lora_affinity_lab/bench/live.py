@@ -22,8 +22,8 @@ import redis
 import yaml
 from tqdm import tqdm
 
-from lora_affinity_plugin.exact_share import decode_changes, snapshot_key
-from lora_affinity_plugin.settings import Settings
+from lora_affinity_plugin.kv.exact_share import decode_changes, snapshot_key
+from lora_affinity_plugin.config.settings import Settings
 
 from ..processes import (
     MASTER_KEY,
@@ -129,7 +129,7 @@ class Fleet:
             sim_args += ["--kv-events-config", json.dumps(
                 {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
                  "replay_endpoint": f"tcp://*:{replay}"})]
-        self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli", *sim_args],
+        self.procs.append(Proc(f"sim-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", *sim_args],
                                self.workdir))
         for i in range(s.replicas):
             wait_port(self.base_port + i)
@@ -141,7 +141,7 @@ class Fleet:
         config_path.write_text(yaml.safe_dump(config))
         env = child_env(LITELLM_MASTER_KEY=MASTER_KEY, LORA_AFFINITY_REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0")
         if self.strategy in PLUGIN_RULES:
-            self.procs.append(Proc(f"scraper-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.cli",
+            self.procs.append(Proc(f"scraper-{self.strategy}", [sys.executable, "-m", "lora_affinity_plugin.ops.cli",
                                                                 "scrape", "--config", str(config_path)],
                                    self.workdir, env=env))
         self.proxy_ports = [free_port() for _ in range(self.gateways)]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_affinity_plugin.parsing import parse_metrics
-from lora_affinity_plugin.podstate import PodMetrics
+from lora_affinity_plugin.scraping.parsing import parse_metrics
+from lora_affinity_plugin.routing.podstate import PodMetrics
 
 REFERENCE_PAGE = "synthetic_full_page_v1_48k.txt"
 

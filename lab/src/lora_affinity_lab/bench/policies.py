@@ -11,17 +11,17 @@ import argparse
 import random
 from collections import defaultdict, deque
 
-from lora_affinity_plugin.fleet import FleetView
-from lora_affinity_plugin.request_builder import RequestBuilder
-from lora_affinity_plugin.inflight import PeerShare
-from lora_affinity_plugin.placement import prefill_estimate_s
-from lora_affinity_plugin.prefix_index import SHARE_MAX_BLOCKS
-from lora_affinity_plugin.rates import RateTracker, decode_load
-from lora_affinity_plugin.scheduling import Candidate, Decision, NoCapacity, RouteRequest, Shed, choose_pod
-from lora_affinity_plugin.prefixes import request_salt
-from lora_affinity_plugin.token_blocks import chain_keys
-from lora_affinity_plugin.settings import Settings, SettingsError, build_settings
-from lora_affinity_plugin.store import PodRecord
+from lora_affinity_plugin.fleet.view import FleetView
+from lora_affinity_plugin.fleet.request_builder import RequestBuilder
+from lora_affinity_plugin.fleet.inflight import PeerShare
+from lora_affinity_plugin.routing.placement import prefill_estimate_s
+from lora_affinity_plugin.kv.prefix_index import SHARE_MAX_BLOCKS
+from lora_affinity_plugin.routing.rates import RateTracker, decode_load
+from lora_affinity_plugin.routing.scheduling import Candidate, Decision, NoCapacity, RouteRequest, Shed, choose_pod
+from lora_affinity_plugin.kv.prefixes import request_salt
+from lora_affinity_plugin.kv.token_blocks import chain_keys
+from lora_affinity_plugin.config.settings import Settings, SettingsError, build_settings
+from lora_affinity_plugin.fleet.store import PodRecord
 
 from ..sim.kv_cache import ByteTokenizer, prompt_text
 from .oracle import ForwardOracle, LeastTtftOracle
@@ -356,7 +356,7 @@ def policy_names() -> list[str]:
 
 def bench_overrides(args: argparse.Namespace) -> dict:
     """`--set NAME=VALUE` words, validated as plugin settings (a bad one stops the run with its reason)."""
-    from lora_affinity_plugin.live_settings import parse_assignments
+    from lora_affinity_plugin.config.live_settings import parse_assignments
 
     values = parse_assignments(getattr(args, "settings", None) or [])
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from lora_affinity_plugin.inflight import PeerShare
-from lora_affinity_plugin.podstate import PodMetrics
+from lora_affinity_plugin.fleet.inflight import PeerShare
+from lora_affinity_plugin.routing.podstate import PodMetrics
 
 SHED = -1
 """`route`'s answer for a sheddable request the rules refuse: HTTP 429."""

@@ -16,7 +16,7 @@ import httpx
 import redis
 import yaml
 
-from lora_affinity_plugin import live_settings
+from lora_affinity_plugin.config import live_settings
 from ..processes import (
     Proc,
     free_port,
@@ -27,7 +27,7 @@ from ..processes import (
     wait_port,
     wait_proxy,
 )
-from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.config.settings import build_settings
 
 _VERSION = re.compile(r"^lora_affinity_settings_version (\S+)$", re.M)
 
@@ -44,7 +44,7 @@ def run_propagation(args: argparse.Namespace) -> int:
     procs: list[Proc] = []
     store = redis_server(redis_port, workdir, allow_embedded=True)
     try:
-        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "1",
+        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "1",
                                   "--base-port", str(sim_port)], workdir))
         wait_port(sim_port)
         config = proxy_config([sim_port], redis_port)

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable
 
-from lora_affinity_plugin.parsing import parse_metrics
+from lora_affinity_plugin.scraping.parsing import parse_metrics
 from ..processes import (
     Proc,
     free_port,
@@ -25,9 +25,9 @@ from ..processes import (
     scratch_dir,
     wait_port,
 )
-from lora_affinity_plugin.podstate import PodMetrics
-from lora_affinity_plugin.scraper import Scraper
-from lora_affinity_plugin.settings import build_settings
+from lora_affinity_plugin.routing.podstate import PodMetrics
+from lora_affinity_plugin.scraping.worker import Scraper
+from lora_affinity_plugin.config.settings import build_settings
 from .parse import full_parse, reference_page
 
 GOAL_CORES = 1.0

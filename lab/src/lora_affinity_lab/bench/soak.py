@@ -29,8 +29,8 @@ import httpx
 import redis
 import yaml
 
-from lora_affinity_plugin.inflight import read_shared
-from lora_affinity_plugin.memtrace import ENV
+from lora_affinity_plugin.fleet.inflight import read_shared
+from lora_affinity_plugin.telemetry.memtrace import ENV
 from ..processes import (
     MASTER_KEY,
     Proc,
@@ -53,7 +53,7 @@ def _rss_mb(proc: Proc) -> float:
 
 
 def _sim(port: int, workdir: Path) -> Proc:
-    return Proc(f"sim-{port}", [sys.executable, "-m", "lora_affinity_plugin.cli", "sim", "--replicas", "1",
+    return Proc(f"sim-{port}", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "1",
                                 "--base-port", str(port), "--speed", "20"], workdir)
 
 
@@ -195,7 +195,7 @@ def run_soak(args: argparse.Namespace) -> int:
         plain["router_settings"]["num_retries"] = 2
         plain_path = workdir / "config-without.yaml"
         plain_path.write_text(yaml.safe_dump(plain))
-        procs["scraper"] = Proc("scraper", [sys.executable, "-m", "lora_affinity_plugin.cli", "scrape", "--config",
+        procs["scraper"] = Proc("scraper", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "scrape", "--config",
                                             str(path)], workdir)
         proxy_ports = {"proxy with plugin": free_port(), "proxy without plugin": free_port()}
         snap_prefix = workdir / "trace"

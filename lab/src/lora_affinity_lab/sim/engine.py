@@ -380,7 +380,7 @@ class ReplicaEngine:
     # --- observation -------------------------------------------------------------------------
     def snapshot(self):
         """The pod's state as vLLM's metrics would show it."""
-        from lora_affinity_plugin.podstate import PodMetrics
+        from lora_affinity_plugin.routing.podstate import PodMetrics
 
         return PodMetrics(
             num_requests_waiting=len(self.waiting),
@@ -397,7 +397,7 @@ class ReplicaEngine:
 
     def counters(self):
         """The histograms' sums and counts and the token counters, as a scraper reads them."""
-        from lora_affinity_plugin.podstate import PodCounters
+        from lora_affinity_plugin.routing.podstate import PodCounters
 
         return PodCounters(
             prefill_time_sum=self.prefill_time.sum, prefill_time_count=self.prefill_time.count,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from lora_affinity_plugin.kv_events import BlockRemoved, BlockStored, KVEvent
+from lora_affinity_plugin.kv.kv_events import BlockRemoved, BlockStored, KVEvent
 
 BYTES_PER_TOKEN = 3
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from lora_affinity_plugin.kv_events import AllBlocksCleared, EventBatch, KVEvent, encode_batch, sequence_bytes
+from lora_affinity_plugin.kv.kv_events import AllBlocksCleared, EventBatch, KVEvent, encode_batch, sequence_bytes
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,293 @@
+"""Filters: each keeps some pods, failing open (`decision.Filter`): ours, and the endpoint picker's v0.2 ones."""
+
+from __future__ import annotations
+
+from .conditions import AdapterSurvey
+from .decision import Candidate, DecisionRun, Filter
+from .placement import (
+    LARGE_PROMPT_SHARE,
+    admits_now,
+    computing_tokens,
+    fastest,
+    least_band_int,
+    not_far_busier,
+    soonest_start,
+    tokens_per_block,
+    warm_pods,
+)
+from .ttft import STICKY_MARGIN_S, predictions
+
+
+class LowQueue(Filter):
+    """Pods with fewer waiting requests than `queueing_threshold_lora` (the endpoint picker's): a queue costs
+    every request in it."""
+
+    name = "low_queue"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        threshold = run.settings.queueing_threshold_lora
+        return [p for p in pods if p.waiting < threshold]
+
+
+class NotFarBusier(Filter):
+    """Pods not far busier than the least busy one (`placement.not_far_busier`)."""
+
+    name = "roomy"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return not_far_busier(pods, run.settings)
+
+
+class Fastest(Filter):
+    """The fastest pods: a prompt no pod holds is computed whole, so speed comes before cache room."""
+
+    name = "fastest"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return fastest(pods)
+
+
+class SoonestStart(Filter):
+    """The pods that would start the prompt soonest (`placement.soonest_start`): the fastest, until what a fast pod
+    is computing and its queue cost more than a slower pod's prefill. For an app's new instructions, where a
+    slower holder gave way (`placement.outpaced`) to the pod that starts them sooner."""
+
+    name = "soonest_start"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return soonest_start(pods, run.request, run.settings)
+
+
+class PrefixMatch(Filter):
+    """The pods holding the prompt's longest prefix (`placement.warm_pods`, found by `conditions.PrefixHeld`)."""
+
+    name = "prefix_match"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        # In a profile of the settings nothing asked `prefix_held` first: find the holders here.
+        return run.warm or warm_pods(pods, run.request, run.settings)
+
+
+class AdapterActive(Filter):
+    """The adapter's holders the adapter rules allow (`conditions.AdapterSurvey`): running it and not far busier
+    than the fleet. vLLM's `--max-loras` skip rule makes a wrong placement cost whole generations."""
+
+    name = "adapter_active"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        if not run.fleet and run.request.adapter is not None:  # no `adapter_survey` before it: survey here
+            AdapterSurvey()(pods, run)
+        return run.adapter_roomy
+
+
+class AdapterRunning(Filter):
+    """The pods running the request's adapter."""
+
+    name = "adapter_running"
+    rule = "adapter_active"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter in p.active_adapters]
+
+
+class AdapterElsewhere(Filter):
+    """Placing an adapter: the pods not running it yet (all of them, when every pod runs it)."""
+
+    name = "adapter_elsewhere"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter not in p.active_adapters]
+
+
+class AdmitsNow(Filter):
+    """The fastest of the pods that admit the whole prompt at the next step (`placement.admits_now`): the load
+    band alone weighs a queue of 6 behind a full cache like 6 running requests."""
+
+    name = "admits_now"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        tokens = run.request.prefix_blocks * tokens_per_block(run.settings)
+        return fastest([p for p in pods if admits_now(p, tokens)])
+
+
+class LeastLoadOrLongestMatch(Filter):
+    """The least-load band, plus the pods holding the prompt's longest cached prefix when none in the band holds
+    as much (a chat's history is on one pod: a load band must not send its next turn to recompute it elsewhere),
+    unless slower than the band's fastest. The prefix rules' own queue margin judges them next."""
+
+    name = "least_load_or_longest_match"
+    rule = "least_load"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        edge = least_band_int([p.load for p in pods], run.width)
+        banded = [p for p in pods if p.load <= edge]
+        settings, matches = run.settings, run.request.prefix_matches
+        if not matches or max(matches.values()) < settings.prefix_min_blocks:  # (no match long enough anywhere)
+            return banded
+        best = max(matches.get(p.key, 0) for p in pods)
+        if best < settings.prefix_min_blocks or any(matches.get(p.key, 0) == best for p in banded):
+            return banded
+        least_slowness = min(p.slowness for p in banded)  # a slower pod recomputes the rest slower: it must win the band
+        return banded + [p for p in pods if matches.get(p.key, 0) == best and p.slowness <= least_slowness]
+
+
+class Dealt(Filter):
+    """The pod the served adapters, dealt over the pods in order, give this adapter (found by
+    `conditions.DealtWhileSlotsScarce` or `conditions.DealtForPlacement`): peers dealing alike agree without talking."""
+
+    name = "dealt"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        home = run.request.home  # (no condition before it in a profile of the settings: the dealt pod itself)
+        return run.dealt or [p for p in pods if p.key == home]
+
+
+class Resident(Filter):
+    """Pods that still hold the adapter (loading it back costs nothing there)."""
+
+    name = "resident"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter in p.resident_adapters]
+
+
+class FreeSlot(Filter):
+    """Pods with a free LoRA slot (another adapter would wait for a batch to drain)."""
+
+    name = "free_slot"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        return [p for p in pods if p.has_free_slot()]
+
+
+class RoomyForPlacement(Filter):
+    """With several gateways: the pods within `spill_queue_margin` of the least load, whose rendezvous rank then
+    chooses (peers place at the same moment from the same snapshot: exact balancing on partial views disagrees)."""
+
+    name = "roomy_for_placement"
+    rule = "roomy"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        edge = min(p.load for p in pods) + run.settings.spill_queue_margin
+        return [p for p in pods if p.load <= edge]
+
+
+class LoraSoftAffinity(Filter):
+    """gie-v0.2: the pods running the adapter with probability `lora_affinity_threshold`, else those with a free
+    slot."""
+
+    name = "lora_soft_affinity"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        affinity = [p for p in pods if adapter in p.active_adapters]
+        available = [p for p in pods if adapter not in p.active_adapters and p.has_free_slot()]
+        if affinity and available:
+            return affinity if run.rng.random() < run.settings.lora_affinity_threshold else available
+        return affinity or available
+
+
+class LowCostLora(Filter):
+    """gie-v0.2 over the queue threshold: pods running the adapter or with a free slot."""
+
+    name = "low_cost_lora"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter = run.request.adapter
+        return [p for p in pods if adapter in p.active_adapters or p.has_free_slot()]
+
+
+class PrefixAffinityTtft(Filter):
+    """The pods holding the prompt's longest cached prefix keep it. A prompt under `LARGE_PROMPT_SHARE` of a
+    holder's cache stays while they are not far busier than the least busy pod (`not_far_busier`), unless it is a
+    conversation's next turn and each of them reported a queue; a larger one (a document), while the best of them
+    would start it at most `STICKY_MARGIN_S` later than the best other pod (llm-d's prefix-affinity filter, on the
+    predicted time to first token). A second copy of a prefix costs the fleet KV room that no single request's
+    estimate sees; a document's copy is worth it sooner, since few of them fit a cache at once."""
+
+    name = "prefix_affinity_ttft"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        request, settings = run.request, run.settings
+        matches = request.prefix_matches
+        if not matches or not settings.prefix_affinity:
+            return pods
+        best = max(matches.get(p.key, 0) for p in pods)
+        if best < settings.prefix_min_blocks:
+            return pods
+        holders = [p for p in pods if matches.get(p.key, 0) == best]
+        if len(holders) == len(pods):
+            return pods
+        per_block = tokens_per_block(settings)
+        prompt = request.prefix_blocks * per_block
+        small = [p for p in holders if not p.kv_cache_tokens or prompt < LARGE_PROMPT_SHARE * p.kv_cache_tokens]
+        if small:  # a small prompt: its holders keep it while not far busier (a copy costs more than a queue)...
+            kept = not_far_busier(pods, settings, among=small)
+            if kept and not (request.later_turn and all(p.reported_waiting for p in kept)):
+                return kept  # ...unless it is a conversation's next turn and every one of them queues
+        predicted = predictions(pods, request, settings)
+        ttft = {key: t.ttft_s for key, t in predicted.items()}
+        if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
+            return holders
+        return pods
+
+
+# --- the peers' filters, as references ------------------------------------------------------------
+
+LLMD_STICKY_SCORE = 0.8
+"""llm-d's prefix-cache-affinity filter: the prefix score (matched share of the prompt) that makes a pod sticky."""
+LLMD_TTFT_PENALTY_S = 18.0
+"""...and how much later than the best other pod a sticky pod may start the prompt and keep it (its default)."""
+LLMD_PEAK_PREFILL_TOKENS_S = 15_928.0
+"""...estimating a start as in-flight tokens over this peak prefill throughput (its default)."""
+
+
+class LlmdPrefixAffinity(Filter):
+    """llm-d's newest default filter: the pods holding at least 80% of the prompt keep it, unless the best of them
+    would start it more than 18 s after the best other pod (each start estimated as its in-flight plus the prompt's
+    uncached tokens over 15,928 tokens/s, llm-d's defaults)."""
+
+    name = "llmd_prefix_affinity"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        request = run.request
+        if not request.prefix_blocks:
+            return pods
+        matches = request.prefix_matches
+        sticky = [p for p in pods if matches.get(p.key, 0) / request.prefix_blocks >= LLMD_STICKY_SCORE]
+        if not sticky or len(sticky) == len(pods):
+            return pods
+        per_block = tokens_per_block(run.settings)
+
+        def start_s(p: Candidate) -> float:
+            uncached = (request.prefix_blocks - matches.get(p.key, 0)) * per_block
+            return (computing_tokens(p, request) + uncached) / LLMD_PEAK_PREFILL_TOKENS_S
+
+        best_other = min(start_s(p) for p in pods if p not in sticky)
+        return sticky if min(start_s(p) for p in sticky) <= best_other + LLMD_TTFT_PENALTY_S else pods
+
+
+AIBRIX_IMBALANCE = 16
+"""AIBrix's prefix-cache policy: requests by which the busiest pod may exceed the least busy before it balances."""
+
+
+class AibrixPrefixCache(Filter):
+    """AIBrix's prefix-cache policy: the least loaded pods when loads differ by more than 16 requests; else the
+    longest match, then the least load, among pods loaded at most the mean plus two standard deviations."""
+
+    name = "aibrix_prefix_cache"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        loads = [p.load for p in pods]
+        least = min(loads)
+        if max(loads) - least > AIBRIX_IMBALANCE:
+            return [p for p in pods if p.load == least]
+        mean = sum(loads) / len(loads)
+        bound = mean + 2 * (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5
+        get = run.request.prefix_matches.get
+        within = [p for p in pods if p.load <= bound]
+        best = min((-get(p.key, 0), p.load) for p in within)
+        return [p for p in within if (-get(p.key, 0), p.load) == best]

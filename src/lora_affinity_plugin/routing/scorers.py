@@ -1,0 +1,249 @@
+"""Scorers: a cost per pod, lower is better (`decision.Scorer`): the "least" bands, the estimated cost in
+seconds, and the peers' scores (negated, so that one rule holds: the least wins)."""
+
+from __future__ import annotations
+
+import math
+
+from .decision import Candidate, DecisionRun, Outcome, Part, Scorer
+from .placement import (
+    computing_tokens,
+    cost_band_edge,
+    cost_s,
+    least_band_float,
+    least_band_int,
+    tokens_per_block,
+)
+from .ttft import predictions
+
+
+class LeastLoad(Scorer):
+    """Waiting plus running requests, within the endpoint picker's "least" band."""
+
+    name = "least_load"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        return [p.load for p in pods]
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        return least_band_int(costs, run.width)  # type: ignore[arg-type]
+
+
+class LeastQueue(Scorer):
+    """Waiting requests, within the "least" band (the endpoint picker's)."""
+
+    name = "least_queue"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        return [p.waiting for p in pods]
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        return least_band_int(costs, run.width)  # type: ignore[arg-type]
+
+
+class LeastKv(Scorer):
+    """KV-cache use, within the "least" band."""
+
+    name = "least_kv"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        return [p.kv_cache_usage for p in pods]
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        return least_band_float(costs, run.width)
+
+
+class LeastCost(Scorer):
+    """The estimated cost in seconds (`cost.py`: the wait for the queue ahead, loading the adapter, prefilling
+    what the pod does not hold, at each pod's learned speed, and the harm to others); pods within `cost_band_ms`
+    or `cost_band_ratio` of the least are equal (estimates from measured rates carry noise)."""
+
+    name = "least_cost"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        request, settings = run.request, run.settings
+        best_match = max(request.prefix_matches.values(), default=0)
+        return [cost_s(p, request, settings, best_match) for p in pods]
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        return cost_band_edge(min(costs), run.settings)
+
+
+class PredictedTtft(Scorer):
+    """The predicted time to first token plus the harm to others, in seconds (`ttft.py`); pods within
+    `cost_band_ms` or `cost_band_ratio` of the least are equal."""
+
+    name = "predicted_ttft"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        predicted = predictions(pods, run.request, run.settings)
+        return [predicted[p.key].total_s for p in pods]
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        return cost_band_edge(min(costs), run.settings)
+
+
+class DynamoCost(Scorer):
+    """Dynamo's KV router cost (its default weights, temperature 0): the prompt's blocks the pod must prefill plus
+    the blocks its running requests hold in the KV cache (decode load), in blocks of the prefix index."""
+
+    name = "dynamo_cost"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        request = run.request
+        per_block = tokens_per_block(run.settings)
+        out = []
+        for p in pods:
+            uncached = request.prefix_blocks - request.prefix_matches.get(p.key, 0)
+            used = (p.kv_cache_tokens - p.kv_free_tokens) / per_block if p.kv_cache_tokens and p.kv_free_tokens is not None \
+                else p.kv_cache_usage * 100  # (no cache size on the page: its use, in hundredths)
+            out.append(uncached + used)
+        return out
+
+
+class FewestPrefixes(Scorer):
+    """A new prefix goes where it evicts least: the caches known to hold the fewest blocks (the "least" band)."""
+
+    name = "fewest_prefixes"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        get = run.request.prefix_sizes.get
+        return [get(p.key, 0) for p in pods]
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        return least_band_int(costs, run.width)  # type: ignore[arg-type]
+
+
+class FewestAdapters(Scorer):
+    """Placing an adapter where the fewest distinct adapters run: each one more slows every decode step."""
+
+    name = "fewest_adapters"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        return [len(p.active_adapters) for p in pods]
+
+
+# --- the peers' scorers, as references ------------------------------------------------------------
+
+
+class PrefixScore(Scorer):
+    """llm-d: the share of the prompt's blocks the pod holds (negated: a cost)."""
+
+    name = "prefix_score"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        blocks = max(1, run.request.prefix_blocks)
+        get = run.request.prefix_matches.get
+        return [-(get(p.key, 0) / blocks) for p in pods]
+
+
+class KvScore(Scorer):
+    """llm-d: the free share of the KV cache (negated)."""
+
+    name = "kv_score"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        return [-(1 - p.kv_cache_usage) for p in pods]
+
+
+class QueueScore(Scorer):
+    """llm-d: the queue scaled between the longest (0) and the shortest (1) (negated)."""
+
+    name = "queue_score"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        queues = [p.waiting for p in pods]
+        lo, hi = min(queues), max(queues)
+        return [-(1.0 if hi == lo else (hi - p.waiting) / (hi - lo)) for p in pods]
+
+
+class LoraScore(Scorer):
+    """llm-d: 1 running the adapter, 0.8 with a free slot, else 0 (negated)."""
+
+    name = "lora_score"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        adapter = run.request.adapter
+        if adapter is None:
+            return [-0.0] * len(pods)
+        return [-(1.0 if adapter in p.active_adapters else 0.8 if p.has_free_slot() else 0.0) for p in pods]
+
+
+class LeastLoadExact(Scorer):
+    """sglang-cache-aware: the least load, exactly (no band)."""
+
+    name = "least_load_exact"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        return [p.load for p in pods]
+
+
+class LongestMatch(Scorer):
+    """sglang-cache-aware: the longest cached prefix, exactly."""
+
+    name = "longest_match"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        get = run.request.prefix_matches.get
+        return [-get(p.key, 0) for p in pods]
+
+
+class HistoryMatch(LongestMatch):
+    """Among equals, where the conversation's history is: no second copy of it (the longest match, as one of our
+    rules: disabled with `prefix_match`)."""
+
+    name = "history_match"
+    rule = "prefix_match"
+
+
+class SmallestTree(Scorer):
+    """sglang-cache-aware: the smallest prefix index, exactly."""
+
+    name = "smallest_tree"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        get = run.request.prefix_sizes.get
+        return [get(p.key, 0) for p in pods]
+
+
+LLMD_TOKEN_LOAD_SCALE = 4 * 1024 * 1024
+"""llm-d's token-load scorer: in-flight uncached prompt tokens at which a pod scores 0."""
+
+
+class TokenLoad(Scorer):
+    """llm-d: 1 - min(1, in-flight uncached prompt tokens / 4 Mi) (negated)."""
+
+    name = "token_load"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        request = run.request
+        return [-(1 - min(1.0, computing_tokens(p, request) / LLMD_TOKEN_LOAD_SCALE)) for p in pods]
+
+
+class Weighted(Part):
+    """Scorers summed with weights (the llm-d router's profile shape); the least total wins, ties (within 1e-9)
+    pass on. Built from a profile's `{scorer: weight, ...}` step."""
+
+    kind = "scorer"
+    rule = "scores"
+
+    def __init__(self, weights: dict[Scorer, float]) -> None:
+        self.weights = tuple(weights.items())
+
+    def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
+        totals = [0.0] * len(pods)
+        for scorer, weight in self.weights:
+            for i, cost in enumerate(scorer.costs(pods, run)):
+                totals[i] += weight * cost
+        best: list[Candidate] = []
+        least = math.inf
+        for p, total in zip(pods, totals):
+            if total < least - 1e-9:
+                best, least = [p], total
+            elif abs(total - least) <= 1e-9:
+                best.append(p)
+        values = None if run.trace is None else {p.key: round(t, 6) for p, t in zip(pods, totals)}
+        return run.apply(self.rule, pods, best, values)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{s.name}: {w:g}" for s, w in self.weights) + "}"

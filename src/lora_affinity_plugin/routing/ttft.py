@@ -1,0 +1,149 @@
+"""A request's predicted time to first token on each candidate pod: the `predicted-ttft` rule set's one estimate.
+
+Pure, like the rest of the scheduling core: a candidate and a request in, the terms out, in the engine's
+seconds and from each pod's learned rates (`rates.py`; the defaults until enough is seen). A reader can check
+each term by hand (docs/routing.md, "The predicted time to first token"):
+
+- ``adapter``: the adapter's wait. 0 when the pod runs it; the load from CPU when a slot is free, and from disk
+  (`COLD_ADAPTER_S`) when the pod has not run it lately and the fleet serves more adapters than a pod keeps; when
+  every slot holds another adapter, vLLM admits the request only once one of them has no request left: about
+  half a generation, the mean time for the running requests to end, and as much again for each `max_lora`
+  adapters already waiting there for a slot.
+- ``queue``: the work ahead of it. The prompts still being computed there (`RouteRequest.prefilling`: the long
+  prompts this gateway sent there), the requests the pod reported waiting (each holds admission for its learned
+  seconds per queued request; only its adapter's share of them when its adapter runs and others wait for a
+  slot, since vLLM admits it past those), the requests sent since its scrape (each joins the next prefill step),
+  and half the decode step in flight when the pod is busy.
+- ``room``: the wait for KV-cache room. The uncached tokens it must compute, and the tokens the requests ahead of
+  it take (each waiting one at least this request's prompt; the same share of the queue as ``queue`` counts), against the tokens the pod's cache had free; a
+  shortfall waits about a generation for the first running request to end, then a generation more for each
+  cache's worth of tokens.
+- ``prefill``: computing what the pod does not hold, at the pod's learned prefill speed.
+- ``harm``: not part of the wait, but of what the choice costs the fleet, in the same seconds: a load from disk
+  holds every request queued there for as long (vLLM loads within a step); a new adapter in a
+  batch slows every running request's decode steps and takes a LoRA slot another adapter's next request may then
+  wait for (half a generation, times the share of the pod's slots already taken, squared while the fleet's slots
+  are plentiful); a second copy of a prefix another pod
+  holds evicts about as much of someone else's cached work (`cost.cost_terms`).
+
+The least total wins, within `cost_band_ms` / `cost_band_ratio` (learned rates carry noise); gateways break the
+remaining tie alike by rendezvous rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s
+from .decision import Candidate, RouteRequest, RuleSettings
+from .podstate import PREFILL_S_PER_TOKEN
+
+SCARCE_SLOTS = 0.75
+"""The share of the candidates' LoRA slots in use past which slots count as scarce (`predict`'s slot term)."""
+STICKY_MARGIN_S = 1.0
+"""How much later than the best other pod the prompt's prefix holders may start it and keep it (`prefix_affinity_ttft`)."""
+COLD_ADAPTER_S = 1.0
+"""Loading an adapter from disk (vLLM: about a second, 0.2-3 s by size and storage): counted where the pod has not
+run it lately while the fleet serves more adapters than a pod keeps at hand (`Settings.residency_memory` times its
+slots, as vLLM's CPU cache does by default)."""
+ROOM_GENERATIONS = 4.0
+"""The room term's bound, in generations: past it the estimate says little but "much later"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One candidate's predicted time to first token, term by term (what `explain` prints)."""
+
+    adapter_s: float
+    queue_s: float
+    room_s: float
+    prefill_s: float
+    harm_s: float
+    uncached_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.adapter_s + self.queue_s + self.room_s + self.prefill_s
+
+    @property
+    def total_s(self) -> float:
+        return self.ttft_s + self.harm_s
+
+    def describe(self) -> str:
+        return (f"{self.total_s:.3f} s = adapter {self.adapter_s:.3f} + queue {self.queue_s:.3f} + room "
+                f"{self.room_s:.3f} + prefill {self.prefill_s:.3f} ({self.uncached_tokens} uncached tokens)"
+                + (f" + harm {self.harm_s:.3f}" if self.harm_s else ""))
+
+
+def slots_in_use(pods: list[Candidate]) -> float:
+    """The share of the pods' LoRA slots their active adapters take (0 when no pod says how many it has)."""
+    slots = sum(p.max_lora or 0 for p in pods)
+    return sum(min(len(p.active_adapters), p.max_lora) for p in pods if p.max_lora) / slots if slots else 0.0
+
+
+def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> dict[str, Prediction]:
+    """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
+    per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    best_match = max(request.prefix_matches.values(), default=0)
+    scarce = request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
+    return {p.key: predict(p, request, per_block, best_match, scarce, settings.residency_memory) for p in pods}
+
+
+def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int,
+            slots_scarce: bool = False, residency_memory: int = 2) -> Prediction:
+    """The request's predicted first token on `p` (the module's docstring says why each term). `slots_scarce`:
+    most of the fleet's LoRA slots are taken, so every slot taken is one another adapter is likely to wait for
+    (the slot term then grows with the pod's share of slots in use, not its square). `residency_memory`: how many
+    times its slots the pod's remembered adapters may number (`Settings.residency_memory`)."""
+    rates = p.rates
+    held = request.prefix_matches.get(p.key, 0)
+    uncached = max(0.0, (request.prefix_blocks - held) * tokens_per_block)
+    generation_s = rates.decode_step_s * rates.mean_output_tokens
+
+    adapter_s = harm_s = 0.0
+    adapter = request.adapter
+    if adapter is not None and adapter not in p.active_adapters:
+        if adapter not in p.resident_adapters:
+            adapter_s = ADAPTER_LOAD_S
+            if p.max_lora and request.served_adapters > residency_memory * p.max_lora:
+                # The fleet serves more adapters than a pod keeps at hand: one it has not run lately is on disk.
+                # vLLM loads it within a step, so the queue there waits for it too.
+                adapter_s += COLD_ADAPTER_S
+                harm_s = min(p.reported_waiting, p.waiting) * COLD_ADAPTER_S
+        if not p.has_free_slot():  # after the adapters already waiting for a slot there, max_lora at a time
+            waiting_adapters = max(0, len(p.active_adapters) - p.max_lora)
+            adapter_s += (1 + waiting_adapters / p.max_lora) * generation_s / 2
+        if p.active_adapters:
+            harm_s += batch_harm_s(p.running, rates)
+            if p.max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
+                share = min(1.0, len(p.active_adapters) / p.max_lora)
+                harm_s += (share if slots_scarce else share * share) * generation_s / 2
+
+    queued = min(p.reported_waiting, p.waiting)
+    if adapter is not None and adapter in p.active_adapters and p.max_lora and len(p.active_adapters) > p.max_lora:
+        # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the queue
+        # is ahead of it (about one adapter's in every distinct adapter there)
+        queued = queued / len(p.active_adapters)
+    computing_s = request.prefilling.get(p.key, 0.0)
+    sent = p.waiting - min(p.reported_waiting, p.waiting)  # sent since the scrape: they join the next prefill step
+    queue_s = computing_s + queued * rates.queue_s_per_request + sent * rates.prefill_s(0)
+    if p.waiting or p.running:
+        queue_s += rates.decode_step_s / 2
+
+    room_s = 0.0
+    free, size = p.kv_free_tokens, p.kv_cache_tokens
+    if free is not None and size:
+        # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
+        # waiting what a running request holds, or at least this prompt; then its own uncached tokens.
+        used = max(size - free, 1.0)
+        prompt = request.prefix_blocks * tokens_per_block
+        per_request = max(used / p.running if p.running else 0.0, prompt)
+        ahead = computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12) + (queued + sent) * per_request
+        shortfall = uncached + ahead - free
+        if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
+            room_s = min(ROOM_GENERATIONS, 1.0 + shortfall / used) * generation_s
+
+    best_extra = max(0, best_match - held) * tokens_per_block
+    if best_extra > 0:
+        harm_s += copy_harm_s(rates, best_extra)
+    return Prediction(adapter_s, queue_s, room_s, rates.prefill_s(uncached), harm_s, int(uncached))

@@ -1,0 +1,114 @@
+"""The end-to-end tests' stacks, built in one place: a real redis-server, simulated vLLM replicas (or the fake
+pods whose metrics a test scripts), the scraper and `litellm --config` proxies.
+
+A module's fixture opens a `Stack`, starts what it needs and yields; leaving the `with` stops every process in
+the reverse order of its start, whatever ended the fixture. Ports come from one pool, so a proxy's port is never
+one a replica is about to bind.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+from lora_affinity_lab.processes import start_litellm_proxy, wait_proxy
+from procs import (
+    Proc,
+    child_env,
+    fake_pods,
+    free_port,
+    free_port_range,
+    litellm_proxy,
+    lora_affinity,
+    proxy_config,
+    redis_server,
+    wait_port,
+)
+
+CLI_MODULE = "lora_affinity_plugin.ops.cli"
+
+
+class Stack:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+        self._taken: set[int] = set()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def port(self) -> int:
+        """A free port none of this stack's processes holds or is about to bind."""
+        port = next(p for p in iter(free_port, None) if p not in self._taken)
+        self._taken.add(port)
+        return port
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Any other process of the stack (a hosted API, a second scraper), stopped with the rest."""
+        proc = Proc(name, args, self.tmp, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def redis(self) -> int:
+        """A real redis-server; its port."""
+        port = self.port()
+        self.procs.append(redis_server(port, self.tmp))
+        return port
+
+    def sim(self, replicas: int, *args: str, env: dict[str, str] | None = None) -> list[int]:
+        """`lora-affinity sim` with `replicas` replicas on consecutive ports, listening; their ports."""
+        base = free_port_range(replicas)
+        while any(p in self._taken for p in range(base, base + replicas)):
+            base = free_port_range(replicas)
+        ports = list(range(base, base + replicas))
+        self._taken.update(ports)
+        self.start("sim", [sys.executable, "-m", CLI_MODULE, "sim", "--replicas", str(replicas), "--base-port",
+                           str(base), *args], env=env)
+        for port in ports:
+            wait_port(port)
+        return ports
+
+    def fake_pods(self, count: int) -> list[int]:
+        """`tests/fake_pods.py` pods, whose metrics and answers a test scripts; their ports."""
+        ports = [self.port() for _ in range(count)]
+        self.procs.append(fake_pods(ports, self.tmp))
+        return ports
+
+    def config(self, pods: list[int], redis_port: int, name: str = "config.yaml",
+               edit: Callable[[dict[str, Any]], None] | None = None, **plugin: object) -> Path:
+        """A proxy config over one wildcard deployment per pod with the plugin (`processes.proxy_config`),
+        changed by `edit` when given, written to the stack's folder."""
+        config = proxy_config(pods, redis_port, **plugin)
+        if edit is not None:
+            edit(config)
+        path = self.tmp / name
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def scraper(self, config: Path, env: dict[str, str] | None = None, name: str = "scraper") -> Proc:
+        proc = lora_affinity(["scrape", "--config", str(config)], self.tmp, name, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def proxy(self, config: Path, env: dict[str, str] | None = None, name: str = "proxy") -> tuple[Proc, str]:
+        """A started `litellm --config` proxy and its URL."""
+        port = self.port()
+        proc = litellm_proxy(config, port, self.tmp, name, env=env or child_env())
+        self.procs.append(proc)
+        return proc, f"http://127.0.0.1:{port}"
+
+    def proxies(self, config: Path, names: list[str], env: dict[str, str] | None = None) -> list[tuple[Proc, str]]:
+        """Several proxies on one config, started side by side; each with its URL."""
+        started = []
+        for name in names:
+            port = self.port()
+            proc = start_litellm_proxy(config, port, self.tmp, name, env=env or child_env())
+            self.procs.append(proc)
+            started.append((proc, port))
+        return [(wait_proxy(proc, port), f"http://127.0.0.1:{port}") for proc, port in started]

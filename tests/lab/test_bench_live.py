@@ -1,0 +1,190 @@
+"""`lora-affinity bench` from the command line, with real processes."""
+
+import json
+import os
+import re
+import subprocess
+import time
+
+from procs import CLI, child_env, run_cli as run
+
+
+def test_live_bench_writes_one_result_per_strategy(tmp_path):
+    path = tmp_path / "r.json"
+    # 5x, not 20x or 10x: a request times out after the seed's 300 simulated seconds, 15 real ones at 20x and 30 at
+    # 10x, which a slow machine running four suites on two cores (CI) stalled for (32 of 100 completed at 10x).
+    # 40 requests and 10 minutes: three runs and two proxy starts took 126 s on a quiet machine with 60, over 300 s
+    # in CI, each run as long as its slowest request. One row goes straight to the replicas, one through a proxy
+    # with the plugin; simple-shuffle through a proxy is tests/lab/test_demo.py's (a proxy start and a run fewer).
+    stdout = run(["bench", "--scenario", "seed", "--mode", "live", "--speed", "5", "--requests", "40",
+                  "--strategies", "per-connection-random,lora-affinity", "--json", str(path),
+                  "--chart", str(tmp_path / "c.png")], timeout=600)
+    results = json.loads(path.read_text())
+    assert [r["strategy"] for r in results] == ["per-connection-random", "lora-affinity"]
+    for r in results:
+        assert r["completed"] + r["timeouts"] + r["errors"] == 40
+        assert r["completed"] > 28 and r["output_tokens_per_s"] > 0 and r["errors"] == 0
+        assert sum(r["per_replica"]) >= r["completed"]
+        if r["strategy"] != "per-connection-random":  # through proxies: their load is measured
+            assert r["transport"]["proxy_requests_per_s"] > 0 and r["transport"]["proxy_busiest_worker"] > 0
+    assert "vs shuffle" in stdout and (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_live_kv_pressure_with_another_client_runs_the_exact_index_on_the_engines_events(tmp_path):
+    """Live kv-pressure-foreign: the other client's requests reach the replicas past the proxy, and
+    lora-affinity-exact's scraper fills the shared index from the replicas' events. (One strategy: the suite's
+    time; the inferred index's live rows are the other scenarios'.)"""
+    path = tmp_path / "live.json"
+    stdout = run(["bench", "--scenario", "kv-pressure-foreign", "--mode", "live", "--speed", "10", "--rates", "1",
+                  "--minutes-of-load", "0.5", "--strategies", "lora-affinity-exact", "--json", str(path)], timeout=240)
+    sent = re.search(r"lora-affinity-exact: the other client sent (\d+) requests straight to the replicas, (\d+) "
+                     r"failed", stdout)
+    assert sent and int(sent.group(1)) > 0 and sent.group(2) == "0", stdout
+    held = re.search(r"lora-affinity-exact: the shared index holds (\d+) blocks of (\d+) pods", stdout)
+    assert held and int(held.group(1)) > 0 and held.group(2) == "6", stdout
+    (row,) = json.loads(path.read_text())
+    assert row["strategy"] == "lora-affinity-exact" and row["errors"] == 0 and row["completed"] > 0, row
+    assert "not published" not in stdout, stdout
+
+
+def test_fast_bench_prints_every_strategy(tmp_path):
+    path = tmp_path / "f.json"
+    stdout = run(["bench", "--scenario", "zipf", "--mode", "fast", "--requests", "300", "--json", str(path),
+                  "--chart", str(tmp_path / "c.png")])
+    names = {r["strategy"] for r in json.loads(path.read_text())}
+    assert {"simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2",
+            "per-connection-random", "gie-v0.2", "lora-affinity"} <= names
+    assert "lora-affinity" in stdout
+
+
+def test_fast_bench_applies_set_to_the_plugins_rules(tmp_path):
+    """`--set` reaches the plugin's rules in fast mode, as it reaches the proxies in live mode (fast mode once
+    ignored it), for the LoRA and the open-loop scenarios alike; a bad value stops the run, named."""
+    def row(scenario: list[str], *settings: str) -> tuple[str, dict]:
+        path = tmp_path / "s.json"
+        stdout = run(["bench", *scenario, "--mode", "fast", "--strategies", "lora-affinity", "--json", str(path),
+                      "--chart", str(tmp_path / "c.png"), *settings])
+        return stdout, json.loads(path.read_text())[0]
+
+    for scenario in (["--scenario", "seed", "--requests", "300"], ["--scenario", "mixed", "--rates", "2"]):
+        _, default = row(scenario)
+        stdout, other = row(scenario, "--set", "rule_set=gie-v0.2")
+        assert "plugin settings {'rule_set': 'gie-v0.2'}" in stdout
+        assert (other["ttft_s"], other["per_replica"]) != (default["ttft_s"], default["per_replica"])
+    bad = subprocess.run([*CLI, "bench", "--scenario", "seed", "--mode", "fast", "--requests", "10", "--set",
+                          "band_width=wide"], capture_output=True, text=True, timeout=120, env=child_env())
+    assert bad.returncode != 0 and "band_width" in bad.stderr and "--set" in bad.stderr
+
+
+
+def test_gateways_bench_compares_shared_unshared_and_one_gateway(tmp_path):
+    path = tmp_path / "g.json"
+    stdout = run(["bench", "--scenario", "seed", "--mode", "fast", "--gateways", "3", "--requests", "300",
+                  "--json", str(path), "--chart", str(tmp_path / "c.png")])
+    names = [r["strategy"] for r in json.loads(path.read_text())]
+    assert names[-3:] == ["lora-affinity-unshared", "lora-affinity", "lora-affinity, 1 gateway"]
+    assert "3 gateways vs 1" in stdout and "shared in-flight counts" in stdout and "not shared" in stdout
+
+
+def test_scrape_scale_reports_cpu_per_scrape_and_the_interval():
+    stdout = run(["bench", "--scenario", "scrape-scale", "--pods", "16", "--seconds", "1.5"])
+    ours = next(line for line in stdout.splitlines() if line.startswith("lora-affinity parser"))
+    assert ours.rstrip().endswith("yes")  # 16 pods: the interval is kept with room to spare
+    assert "CPU per scrape, full parse / ours" in stdout
+
+
+def test_a_row_that_did_not_measure_what_it_names_is_refused_whatever_its_errors():
+    """An exact index that stayed empty, or another client's failed requests, make a run without errors another
+    run than the one its row names; a median over seeds keeps the reason."""
+    from lora_affinity_lab.bench.latency import median_latency
+    from lora_affinity_lab.bench.results import Result, refusal
+
+    clean = Result("lora-affinity-exact", "kv-pressure-foreign", "live", 450, 0, 0, 600.0, 1000)
+    empty = Result("lora-affinity-exact", "kv-pressure-foreign", "live", 450, 0, 0, 600.0, 1000,
+                   invalid="the exact index stayed empty")
+    assert refusal(clean) is None
+    assert refusal(empty) == "lora-affinity-exact: the exact index stayed empty, so this row is not published"
+    assert "the exact index stayed empty" in refusal(median_latency([clean, empty, clean]))
+
+
+def test_a_live_row_with_more_than_one_percent_errors_is_refused(monkeypatch, capsys):
+    import argparse
+
+    from lora_affinity_lab.bench import compare
+    from lora_affinity_lab.bench.results import Result, refusal
+
+    good = Result("lora-affinity", "seed", "live", 990, 5, 5, 100.0, 1000, error_kinds={"HTTP 500: x": 5})
+    broken = Result("simple-shuffle", "seed", "live", 235, 0, 765, 100.0, 500,
+                    error_kinds={"ClientOSError: reset": 765})
+    assert refusal(good) is None and "765 of 1000 requests failed" in refusal(broken)
+    monkeypatch.setattr(compare, "_run", lambda *a: [broken, good])
+    args = argparse.Namespace(scenario="seed", requests=None, strategies="simple-shuffle,lora-affinity", gateways=1,
+                              mode="live", json_path=None, chart="unused.png")
+    monkeypatch.setattr(compare, "write_chart", lambda *a: None)
+    assert compare.run_compare(args) == 1
+    out, err = capsys.readouterr()
+    assert "lora-affinity" in out and "simple-shuffle" not in out  # the broken row is not printed
+    assert "refused: simple-shuffle: 765 of 1000 requests failed (765 x ClientOSError: reset)" in err
+
+
+def test_a_live_row_whose_proxy_was_saturated_is_refused():
+    from lora_affinity_lab.bench.results import Result, format_table, refusal
+
+    def row(busiest: float) -> Result:
+        return Result("lora-affinity", "seed", "live", 1000, 0, 0, 100.0, 1000,
+                      transport={"proxy_busiest_worker": busiest, "proxy_requests_per_s": 12.5,
+                                 "proxy_cpu_ms_per_request": 70.0})
+
+    assert refusal(row(0.84)) is None
+    reason = refusal(row(0.93))
+    assert "busiest proxy worker used 93% of a core" in reason and "not the routing" in reason
+    assert "12.5, 93% SATURATED" in format_table([row(0.93)])
+
+
+def test_a_live_row_measured_on_a_saturated_machine_is_flagged_and_the_demo_slows_down(monkeypatch, capsys, tmp_path):
+    import argparse
+
+    from lora_affinity_lab import demo
+    from lora_affinity_lab.bench.results import Result, format_table, machine_warning, refusal
+
+    def row(strategy: str, lag: float = 0.0, busy: float = 0.5) -> Result:
+        return Result(strategy, "seed", "live", 100, 0, 0, 100.0, 1000,
+                      transport={"proxy_busiest_worker": 0.3, "proxy_requests_per_s": 5.0,
+                                 "proxy_cpu_ms_per_request": 50.0, "sim_lag_share": lag, "machine_busy": busy})
+
+    assert machine_warning(row("simple-shuffle", lag=0.08, busy=0.85)) is None
+    lagged = machine_warning(row("lora-affinity", lag=0.31))
+    assert "lost 31% of the run" in lagged and "--speed" in lagged
+    busy = machine_warning(row("lora-affinity", busy=0.96))
+    assert "cores were 96% busy" in busy and "--speed" in busy
+    assert refusal(row("lora-affinity", busy=0.96)) is None  # a warning: both strategies share the machine
+    assert format_table([row("lora-affinity", lag=0.31)])
+
+    speeds = []
+
+    def run_both(scenario, args, speed, *rest):
+        speeds.append(speed)
+        return [row("simple-shuffle", busy=0.7), row("lora-affinity", busy=0.97 if speed > 5 else 0.8)]
+
+    monkeypatch.setattr(demo, "_run_both", run_both)
+    monkeypatch.setattr(demo, "redis_server", lambda *a, **k: argparse.Namespace(embedded=False, stop=lambda: None))
+    monkeypatch.setattr(demo, "scratch_dir", lambda prefix: tmp_path)
+    monkeypatch.setattr(demo, "write_chart", lambda *a: None)
+    monkeypatch.setattr(demo, "write_json", lambda *a: None)
+    args = argparse.Namespace(speed=None, requests=100, gateways=1, config=None, out="unused", seed=1)
+    assert demo.run_demo(args) == 0
+    out = capsys.readouterr().out
+    assert speeds == [10.0, 5.0]
+    assert "cores were 97% busy" in out and "again at 5x" in out and "At 5x:" in out
+
+
+def test_the_probe_reads_this_machines_cpu():
+    from lora_affinity_lab.bench.transport import machine_cpu
+
+    busy, total = machine_cpu()
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # this process keeps one core busy
+        pass
+    busy_after, total_after = machine_cpu()
+    assert 0 < busy_after - busy <= total_after - total
+    assert (busy_after - busy) / (total_after - total) > 0.5 / os.cpu_count()  # at least half of one core

@@ -1,0 +1,142 @@
+"""The predicted time to first token (`ttft.py`): each term moves with what it says, and the `predicted-ttft`
+rule set picks the least total, alike on every gateway."""
+
+import random
+
+from lora_affinity_plugin.routing.podstate import PodRates
+from lora_affinity_plugin.routing.scheduling import Candidate, RouteRequest, choose_pod
+from lora_affinity_plugin.config.settings import build_settings
+from lora_affinity_plugin.routing.ttft import COLD_ADAPTER_S, ROOM_GENERATIONS, predict, slots_in_use
+
+RATES = PodRates(prefill_factor=1.0, decode_step_s=0.08, queue_s_per_request=0.5, mean_output_tokens=100,
+                 learned=True)
+GENERATION_S = 0.08 * 100
+TPB = 16.0
+
+
+def pod(key="p", waiting=0, running=4, adapters=("a",), max_lora=2, resident=(), free=None, size=None, rates=RATES):
+    return Candidate(key, waiting, running, 0.5, frozenset(adapters), frozenset(resident), max_lora,
+                     reported_waiting=waiting, rates=rates, kv_free_tokens=free, kv_cache_tokens=size)
+
+
+def test_the_adapters_wait_is_nothing_when_running_a_load_with_a_free_slot_and_half_a_generation_without():
+    request = RouteRequest("b")
+    assert predict(pod(adapters=("b",)), request, TPB, 0).adapter_s == 0
+    with_slot = predict(pod(), request, TPB, 0)
+    resident = predict(pod(resident=("b",)), request, TPB, 0)
+    full = predict(pod(adapters=("a", "c")), request, TPB, 0)
+    assert 0 == resident.adapter_s < with_slot.adapter_s < 0.1
+    assert full.adapter_s == with_slot.adapter_s + GENERATION_S / 2
+    assert with_slot.harm_s > 0  # a second adapter slows the running batch
+
+
+def test_the_queue_counts_reported_waiting_requests_dispatches_since_the_scrape_and_prompts_still_computing():
+    request = RouteRequest(None)
+    idle = predict(pod(running=0), request, TPB, 0).queue_s
+    queued = predict(pod(waiting=4), request, TPB, 0).queue_s
+    assert idle == 0 and queued >= 4 * 0.5
+    sent = pod(waiting=0).with_dispatches(3, set())
+    assert predict(sent, request, TPB, 0).queue_s > predict(pod(), request, TPB, 0).queue_s
+    computing = RouteRequest(None, prefilling={"p": 1.5})
+    assert predict(pod(), computing, TPB, 0).queue_s - predict(pod(), request, TPB, 0).queue_s == 1.5
+
+
+def test_room_is_waited_for_only_when_the_uncached_part_and_the_requests_ahead_do_not_fit():
+    request = RouteRequest(None, prefix_blocks=100)  # 1,600 tokens
+    assert predict(pod(free=5000, size=10_000), request, TPB, 0).room_s == 0
+    short = predict(pod(free=1000, size=10_000), request, TPB, 0).room_s
+    shorter = predict(pod(free=100, size=10_000), request, TPB, 0).room_s
+    assert 0 < short < shorter <= ROOM_GENERATIONS * GENERATION_S
+    held = RouteRequest(None, prefix_blocks=100, prefix_matches={"p": 95})  # only 80 tokens to compute
+    assert predict(pod(free=1000, size=10_000), held, TPB, 95).room_s == 0
+    behind = predict(pod(waiting=3, free=2000, size=10_000), request, TPB, 0).room_s
+    assert behind > 0  # three waiting requests take the room first
+
+
+def test_a_holder_saves_its_prefill_and_a_second_copy_is_harm():
+    request = RouteRequest(None, prefix_blocks=100, prefix_matches={"h": 90})
+    holder = predict(pod("h"), request, TPB, 90)
+    other = predict(pod("o"), request, TPB, 90)
+    assert holder.uncached_tokens == 160 and other.uncached_tokens == 1600
+    assert holder.prefill_s < other.prefill_s and holder.harm_s == 0 < other.harm_s
+    assert holder.total_s < other.total_s
+
+
+def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    busy, roomy = pod("busy", waiting=6), pod("roomy")
+    request = RouteRequest("a", placement_key=12345)
+    assert {choose_pod([busy, roomy], request, settings, random.Random(i)).pod for i in range(20)} == {"roomy"}
+    equals = [pod(f"p{i}") for i in range(4)]
+    picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
+    assert len(picks) == 1  # rendezvous rank on the placement key, not chance
+    decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
+    assert [step[0] for step in decision.trace][:2] == ["prefix_affinity_ttft", "predicted_ttft"]
+    assert decision.branch == "predicted_ttft"
+
+
+def test_prefix_holders_keep_the_prompt_until_they_queue_and_start_it_a_margin_later():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    request = RouteRequest(None, prefix_blocks=40, prefix_matches={"holder": 40}, placement_key=7)
+    idle = [pod(f"p{i}", running=1) for i in range(3)]
+    busy_holder = pod("holder", running=8)  # busier, no queue: a second copy of the prefix would cost more
+    assert choose_pod([busy_holder, *idle], request, settings, random.Random(1)).pod == "holder"
+    queued_holder = pod("holder", waiting=12, running=8)  # 12 x 0.5 s of queue ahead: past the margin
+    assert choose_pod([queued_holder, *idle], request, settings, random.Random(1)).pod != "holder"
+    slightly = pod("holder", waiting=2, running=8)  # one more queued than the shortest queue: it keeps the prompt
+    queued_others = [pod(f"p{i}", waiting=1, running=1) for i in range(3)]
+    assert choose_pod([slightly, *queued_others], request, settings, random.Random(1)).pod == "holder"
+
+
+def test_a_large_prompts_holder_without_room_gives_it_to_a_pod_that_starts_it_sooner():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    request = RouteRequest(None, prefix_blocks=50, prefix_matches={"holder": 15}, placement_key=7)  # 3,200 tokens
+    full = pod("holder", running=3, free=500, size=10_000)  # a third of its cache: large there, and no room
+    roomy = [pod(f"p{i}", running=1, free=8000, size=10_000) for i in range(2)]
+    assert choose_pod([full, *roomy], request, settings, random.Random(1)).pod != "holder"
+    with_room = pod("holder", running=3, free=6000, size=10_000)
+    assert choose_pod([with_room, *roomy], request, settings, random.Random(1)).pod == "holder"
+
+
+def test_a_conversations_next_turn_leaves_holders_that_all_queue_but_a_first_turn_stays():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    queued = pod("holder", waiting=6, running=2)
+    idle = [pod(f"p{i}", running=1) for i in range(2)]
+    first = RouteRequest(None, prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7)
+    later = RouteRequest(None, prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7, later_turn=True)
+    assert choose_pod([queued, *idle], first, settings, random.Random(1)).pod == "holder"
+    assert choose_pod([queued, *idle], later, settings, random.Random(1)).pod != "holder"
+
+
+def test_the_adapter_waits_behind_adapters_queued_for_a_slot_and_its_own_batch_skips_their_queue():
+    request = RouteRequest("x")
+    full = predict(pod(adapters=("a", "c")), request, TPB, 0)
+    crowded = predict(pod(adapters=("a", "c", "d", "e")), request, TPB, 0)  # two more already wait for a slot
+    assert crowded.adapter_s - full.adapter_s == GENERATION_S / 2
+    mine = RouteRequest("a")
+    assert predict(pod(waiting=8, adapters=("a", "c", "d", "e")), mine, TPB, 0).queue_s < \
+        predict(pod(waiting=8, adapters=("a", "c")), mine, TPB, 0).queue_s  # the others' requests are skipped
+
+
+def test_a_slot_taken_costs_more_once_most_slots_are_in_use():
+    request = RouteRequest("x")
+    half = pod(adapters=("a",), max_lora=2)
+    assert predict(half, request, TPB, 0, slots_scarce=True).harm_s > predict(half, request, TPB, 0).harm_s
+    assert slots_in_use([pod(adapters=("a", "b")), pod(adapters=())]) == 0.5
+
+
+def test_an_adapter_not_run_lately_loads_from_disk_only_when_the_fleet_serves_more_than_a_pod_keeps():
+    few, many = RouteRequest("b", served_adapters=4), RouteRequest("b", served_adapters=12)  # a pod keeps 2 x 2 slots
+    busy = pod(waiting=3)
+    assert predict(busy, many, TPB, 0, residency_memory=2).adapter_s == (
+        predict(busy, few, TPB, 0, residency_memory=2).adapter_s + COLD_ADAPTER_S)
+    # ... and its queue waits through the load too (vLLM loads within a step)
+    assert predict(busy, many, TPB, 0).harm_s == predict(busy, few, TPB, 0).harm_s + 3 * COLD_ADAPTER_S
+    # a pod that ran it lately still holds it, however many the fleet serves
+    assert predict(pod(waiting=3, resident=("b",)), many, TPB, 0).adapter_s == 0
+
+
+def test_room_counts_only_the_queue_ahead_of_the_request_when_its_adapter_runs_past_others_waiting_for_a_slot():
+    crowded = pod(waiting=6, running=2, adapters=("a", "b", "c", "d"), free=1_000, size=8_000)
+    mine, other = RouteRequest("a", prefix_blocks=10), RouteRequest("e", prefix_blocks=10)
+    assert predict(crowded, mine, TPB, 0).room_s < predict(crowded, other, TPB, 0).room_s
