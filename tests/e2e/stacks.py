@@ -61,15 +61,20 @@ class Stack:
         self.procs.append(redis_server(port, self.tmp))
         return port
 
+    def port_range(self, count: int) -> int:
+        """`count` consecutive free ports (a simulator's replicas, their KV-event endpoints); the first."""
+        base = free_port_range(count)
+        while any(p in self._taken for p in range(base, base + count)):
+            base = free_port_range(count)
+        self._taken.update(range(base, base + count))
+        return base
+
     def sim(self, replicas: int, *args: str, env: dict[str, str] | None = None) -> list[int]:
         """`lora-affinity sim` with `replicas` replicas on consecutive ports, listening; their ports."""
-        base = free_port_range(replicas)
-        while any(p in self._taken for p in range(base, base + replicas)):
-            base = free_port_range(replicas)
-        ports = list(range(base, base + replicas))
-        self._taken.update(ports)
+        base = self.port_range(replicas)
         self.start("sim", [sys.executable, "-m", CLI_MODULE, "sim", "--replicas", str(replicas), "--base-port",
                            str(base), *args], env=env)
+        ports = list(range(base, base + replicas))
         for port in ports:
             wait_port(port)
         return ports
@@ -103,12 +108,14 @@ class Stack:
         self.procs.append(proc)
         return proc, f"http://127.0.0.1:{port}"
 
-    def proxies(self, config: Path, names: list[str], env: dict[str, str] | None = None) -> list[tuple[Proc, str]]:
-        """Several proxies on one config, started side by side; each with its URL."""
+    def proxies(self, configs: Path | list[Path], names: list[str],
+                envs: list[dict[str, str] | None] | None = None) -> list[tuple[Proc, str]]:
+        """Several proxies (on one config, or one each), started side by side; each with its URL."""
         started = []
-        for name in names:
+        for i, name in enumerate(names):
+            config = configs[i] if isinstance(configs, list) else configs
             port = self.port()
-            proc = start_litellm_proxy(config, port, self.tmp, name, env=env or child_env())
+            proc = start_litellm_proxy(config, port, self.tmp, name, env=(envs[i] if envs else None) or child_env())
             self.procs.append(proc)
             started.append((proc, port))
         return [(wait_proxy(proc, port), f"http://127.0.0.1:{port}") for proc, port in started]

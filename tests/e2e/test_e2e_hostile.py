@@ -11,18 +11,19 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings, strategies as st
-from procs import MASTER_KEY, Proc, free_port, free_port_range, lora_affinity, proxy_config, redis_server, wait_port
-
-from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE  # the simulator's rendering, as Jinja
-from lora_affinity_lab.processes import start_litellm_proxy, wait_proxy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lora_affinity_lab.bench.tokenizer_files import (
+    CHAT_TEMPLATE,  # the simulator's rendering, as Jinja
+)
+from procs import MASTER_KEY, proxy_config
+from stacks import Stack
 from tokenizer_files import train_tokenizer
 
 HEADERS = {"Authorization": f"Bearer {MASTER_KEY}", "Content-Type": "application/json"}
@@ -31,47 +32,34 @@ IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 200
 
 @pytest.fixture(scope="module")
 def proxies(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hostile")
-    train_tokenizer(tmp / "tokenizer.json")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    base, pub, replay = free_port_range(2), free_port_range(2), free_port_range(2)
-    taken = {*range(base, base + 2), *range(pub, pub + 2), *range(replay, replay + 2)}
-    ports = iter(p for p in iter(free_port, None) if p not in taken)
-    redis_port, with_port, without_port = next(ports), next(ports), next(ports)
-    procs: list[Proc] = []
-    store = redis_server(redis_port, tmp)
-    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                         "replay_endpoint": f"tcp://*:{replay}"})
-    try:
-        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "2",
-                                  "--base-port", str(base), "--speed", "50", "--tokenizer", str(tmp / "tokenizer.json"),
-                                  "--kv-events-config", events], tmp))
-        for p in (base, base + 1):
-            wait_port(p)
+    with Stack(tmp_path_factory.mktemp("hostile")) as s:
+        tmp = s.tmp
+        train_tokenizer(tmp / "tokenizer.json")
+        (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+        pub, replay = s.port_range(2), s.port_range(2)
+        redis_port = s.redis()
+        events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                             "replay_endpoint": f"tcp://*:{replay}"})
+        pods = s.sim(2, "--speed", "50", "--tokenizer", str(tmp / "tokenizer.json"), "--kv-events-config", events)
+
+        def observed_with_events(config):
+            for i, deployment in enumerate(config["model_list"]):
+                deployment["model_info"] = {"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
+                                            "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"}
+            config["litellm_settings"]["callbacks"].insert(0, "prometheus")
+
         # KV events on: every prompt is also rendered and tokenized on the request path (capped like the index's)
-        with_plugin = proxy_config([base, base + 1], redis_port, kv_events=True,
-                                   tokenizers={"*": {"tokenizer": str(tmp / "tokenizer.json"),
-                                                     "chat_template": str(tmp / "chat.jinja")}})
-        for i, deployment in enumerate(with_plugin["model_list"]):
-            deployment["model_info"] = {"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
-                                        "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"}
-        with_plugin["litellm_settings"]["callbacks"].insert(0, "prometheus")
-        (tmp / "with.yaml").write_text(yaml.safe_dump(with_plugin))
-        without_plugin = proxy_config([base, base + 1], redis_port, "simple-shuffle")
-        without_plugin["litellm_settings"]["callbacks"] = ["prometheus"]  # the same host callbacks but the plugin
-        (tmp / "without.yaml").write_text(yaml.safe_dump(without_plugin))
-        procs.append(lora_affinity(["scrape", "--config", str(tmp / "with.yaml")], tmp, "scraper"))
-        started = [start_litellm_proxy(tmp / "with.yaml", with_port, tmp, "proxy-with"),
-                   start_litellm_proxy(tmp / "without.yaml", without_port, tmp, "proxy-without")]
-        procs += started
-        for proc, port in zip(started, (with_port, without_port)):
-            wait_proxy(proc, port)
+        with_plugin = s.config(pods, redis_port, "with.yaml", edit=observed_with_events, kv_events=True,
+                               tokenizers={"*": {"tokenizer": str(tmp / "tokenizer.json"),
+                                                 "chat_template": str(tmp / "chat.jinja")}})
+        without_plugin = tmp / "without.yaml"
+        alone = proxy_config(pods, redis_port, "simple-shuffle")
+        alone["litellm_settings"]["callbacks"] = ["prometheus"]  # the same host callbacks but the plugin
+        without_plugin.write_text(yaml.safe_dump(alone))
+        s.scraper(with_plugin)
+        (_, with_url), (_, without_url) = s.proxies([with_plugin, without_plugin], ["proxy-with", "proxy-without"])
         time.sleep(0.5)
-        yield {"with": f"http://127.0.0.1:{with_port}", "without": f"http://127.0.0.1:{without_port}"}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        store.stop()
+        yield {"with": with_url, "without": without_url}
 
 
 def post(client: httpx.Client, base: str, body: bytes | dict, path: str = "/v1/chat/completions") -> int:

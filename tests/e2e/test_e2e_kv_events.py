@@ -11,62 +11,46 @@ import time
 
 import httpx
 import pytest
-import yaml
+from lora_affinity_lab.bench.tokenizer_files import (
+    CHAT_TEMPLATE,  # the simulator's rendering, as Jinja
+)
 from procs import (
     MASTER_KEY,
     Decisions,
-    Proc,
     debug_env,
-    free_port,
-    free_port_range,
-    litellm_proxy,
     lora_affinity,
-    proxy_config,
-    redis_server,
-    wait_port,
 )
-from lora_affinity_lab.bench.tokenizer_files import CHAT_TEMPLATE  # the simulator's rendering, as Jinja
+from stacks import Stack
 from tokenizer_files import train_tokenizer
-
 
 SYSTEM = "You are the billing assistant. " + " ".join(f"billing rules {i}: answer the user question." for i in range(60))
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("kv-events")
-    train_tokenizer(tmp / "tokenizer.json")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    base, pub, replay = free_port_range(3), free_port_range(3), free_port_range(3)
-    redis_port, proxy_port = free_port(), free_port()
-    procs: list[Proc] = []
-    store = redis_server(redis_port, tmp)
-    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                         "replay_endpoint": f"tcp://*:{replay}"})
-    try:
-        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "3",
-                                  "--base-port", str(base), "--speed", "20", "--tokenizer", str(tmp / "tokenizer.json"),
-                                  "--kv-events-config", events], tmp))
-        for i in range(3):
-            wait_port(base + i)
-        config = proxy_config([base, base + 1, base + 2], redis_port, kv_events=True,
-                              tokenizers={"*": {"tokenizer": str(tmp / "tokenizer.json"),
-                                                "chat_template": str(tmp / "chat.jinja")}})
-        for i, deployment in enumerate(config["model_list"]):
-            deployment["model_info"] = ({"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
-                                         "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"} if i < 2 else
-                                        {"kv_events_endpoint": ""})  # the third publishes none
-        path = tmp / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        procs.append(lora_affinity(["scrape", "--config", str(path)], tmp, "scraper"))
-        procs.append(litellm_proxy(path, proxy_port, tmp, env=debug_env()))
+    with Stack(tmp_path_factory.mktemp("kv-events")) as s:
+        tmp = s.tmp
+        train_tokenizer(tmp / "tokenizer.json")
+        (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+        pub, replay = s.port_range(3), s.port_range(3)
+        redis_port = s.redis()
+        events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                             "replay_endpoint": f"tcp://*:{replay}"})
+        pods = s.sim(3, "--speed", "20", "--tokenizer", str(tmp / "tokenizer.json"), "--kv-events-config", events)
+
+        def endpoints(config):
+            for i, deployment in enumerate(config["model_list"]):
+                deployment["model_info"] = ({"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
+                                             "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"} if i < 2 else
+                                            {"kv_events_endpoint": ""})  # the third publishes none
+
+        path = s.config(pods, redis_port, edit=endpoints, kv_events=True,
+                        tokenizers={"*": {"tokenizer": str(tmp / "tokenizer.json"), "chat_template": str(tmp / "chat.jinja")}})
+        s.scraper(path)
+        proxy, url = s.proxy(path, env=debug_env())
         time.sleep(0.5)
-        yield {"proxy": f"http://127.0.0.1:{proxy_port}", "pods": [f"http://127.0.0.1:{base + i}" for i in range(3)],
-               "config": path, "proxy_proc": procs[-1], "tmp": tmp, "procs": procs, "redis_port": redis_port}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        store.stop()
+        yield {"proxy": url, "pods": [f"http://127.0.0.1:{p}" for p in pods],
+               "config": path, "proxy_proc": proxy, "tmp": tmp, "procs": s.procs, "redis_port": redis_port}
 
 
 def chat(stack, model: str, question: str) -> str:
@@ -164,8 +148,8 @@ def test_a_pod_joined_past_its_replay_buffer_is_partial_and_keeps_what_the_proxy
     (the inferred index), not the empty exact figure; once the pod clears its cache (a restart) it is exact again."""
     import redis as redis_client
 
-    from lora_affinity_plugin.kv.kv_checkpoint import checkpoints_key
     from lora_affinity_plugin.config.settings import build_settings
+    from lora_affinity_plugin.kv.kv_checkpoint import checkpoints_key
 
     procs, reporting = stack["procs"], stack["pods"][:2]
     question = "which billing rules apply to invoices sent twice by mistake " * 10
@@ -216,9 +200,9 @@ def test_a_corrupted_record_snapshot_and_change_set_cost_only_their_pod(stack):
 
     import redis as redis_client
 
-    from lora_affinity_plugin.kv.exact_share import changes_key, snapshot_key
     from lora_affinity_plugin.config.settings import build_settings
     from lora_affinity_plugin.fleet.store import PodRecord, pod_key
+    from lora_affinity_plugin.kv.exact_share import changes_key, snapshot_key
 
     procs, pods = stack["procs"], stack["pods"]
     for proc in [p for p in procs if p.name.startswith("scraper") and p.popen.poll() is None]:

@@ -8,23 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
 import time
 
 import httpx
 import pytest
 from procs import (
     MASTER_KEY,
-    Proc,
     child_env,
-    free_port,
-    free_port_range,
-    litellm_proxy,
-    lora_affinity,
-    redis_server,
-    wait_port,
-    write_config,
 )
+from stacks import Stack
 
 CONCURRENCY = 20
 SERVER_KEEPALIVE_S = 5  # the replicas close connections idle this long (vLLM's default)
@@ -38,35 +30,22 @@ ADAPTERS = ["sql-lora", "tweet-summary"]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pooling")
-    base = free_port_range(2)
-    redis_port, pooled_port, unpooled_port = (next(p for p in iter(free_port, None) if p not in (base, base + 1))
-                                              for _ in range(3))
-    procs: list[Proc] = []
-    store = redis_server(redis_port, tmp)
-    try:
-        procs.append(Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "2",
-                                  "--base-port", str(base), "--speed", "5", "--warm-adapters", ",".join(ADAPTERS),
-                                  "--min-output-tokens", "20", "--keep-alive-s", str(SERVER_KEEPALIVE_S)], tmp))
-        replicas = [base, base + 1]
-        for p in replicas:
-            wait_port(p)
-        pooled = write_config(tmp / "pooled.yaml", replicas, redis_port, models_refresh_ms=1000)
+    with Stack(tmp_path_factory.mktemp("pooling")) as s:
+        redis_port = s.redis()
+        replicas = s.sim(2, "--speed", "5", "--warm-adapters", ",".join(ADAPTERS), "--min-output-tokens", "20",
+                         "--keep-alive-s", str(SERVER_KEEPALIVE_S))
+        pooled = s.config(replicas, redis_port, "pooled.yaml", models_refresh_ms=1000)
         # Its own key prefix: pooled_clients is a live setting, and the other proxy published `true`.
-        unpooled = write_config(tmp / "unpooled.yaml", replicas, redis_port, pooled_clients=False, key_prefix="unpooled")
-        procs.append(lora_affinity(["scrape", "--config", str(pooled)], tmp, "scraper"))
+        unpooled = s.config(replicas, redis_port, "unpooled.yaml", pooled_clients=False, key_prefix="unpooled")
+        s.scraper(pooled)
         # The pool is LiteLLM's transport: its idle timeout is LiteLLM's AIOHTTP_KEEPALIVE_TIMEOUT (below the server's).
-        proxies = {"pooled": litellm_proxy(pooled, pooled_port, tmp, "proxy-pooled",
-                                           env=child_env(AIOHTTP_KEEPALIVE_TIMEOUT=str(PROXY_KEEPALIVE_S))),
-                   "unpooled": litellm_proxy(unpooled, unpooled_port, tmp, "proxy-unpooled")}
-        procs += proxies.values()
+        (pooled_proc, pooled_url), (unpooled_proc, unpooled_url) = (
+            s.proxy(pooled, env=child_env(AIOHTTP_KEEPALIVE_TIMEOUT=str(PROXY_KEEPALIVE_S)), name="proxy-pooled"),
+            s.proxy(unpooled, name="proxy-unpooled"))
         time.sleep(0.5)
-        yield {"reads": [0], "urls": {"pooled": f"http://127.0.0.1:{pooled_port}", "unpooled": f"http://127.0.0.1:{unpooled_port}"},
-               "proxies": proxies, "replicas": [f"http://127.0.0.1:{p}" for p in replicas]}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        store.stop()
+        yield {"reads": [0], "urls": {"pooled": pooled_url, "unpooled": unpooled_url},
+               "proxies": {"pooled": pooled_proc, "unpooled": unpooled_proc},
+               "replicas": [f"http://127.0.0.1:{p}" for p in replicas]}
 
 
 _COUNTERS = {"accepted": r"^sim_connections_accepted_total (\S+)", "idle_closed": r"^sim_connections_idle_closed_total (\S+)",

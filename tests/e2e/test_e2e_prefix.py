@@ -34,7 +34,7 @@ def stack(tmp_path_factory):
         pods = s.sim(3, "--speed", "20", "--warm-adapters", "sql-lora,tweet-summary")
         path = s.config(pods, redis_port)
         s.scraper(path)
-        (proxy_a, a), (proxy_b, b) = s.proxies(path, ["proxy-a", "proxy-b"], env=debug_env())
+        (proxy_a, a), (proxy_b, b) = s.proxies(path, ["proxy-a", "proxy-b"], [debug_env()] * 2)
         time.sleep(0.5)
         yield {"a": a, "b": b, "pods": [f"http://127.0.0.1:{p}" for p in pods], "config": path,
                "proxies": [proxy_a, proxy_b]}

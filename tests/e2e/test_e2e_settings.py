@@ -14,18 +14,13 @@ import time
 import httpx
 import pytest
 import redis
-import yaml
 from procs import (
     MASTER_KEY,
-    Proc,
     child_env,
-    fake_pods,
-    free_port,
-    redis_server,
 )
+from stacks import Stack
 
 from lora_affinity_plugin.config.live_settings import LiveCopy, settings_key
-from lora_affinity_lab.processes import proxy_config, start_litellm_proxy, wait_proxy
 from lora_affinity_plugin.config.settings import build_settings
 
 CLI = [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "--log-level", "WARNING"]
@@ -33,32 +28,22 @@ CLI = [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "--log-level", "WAR
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("settings")
-    redis_port = free_port()
-    pods = [free_port() for _ in range(2)]
-    procs: list[Proc] = []
-    store = redis_server(redis_port, tmp)
-    try:
-        procs.append(fake_pods(pods, tmp))
+    with Stack(tmp_path_factory.mktemp("settings")) as s:
+        redis_port = s.redis()
+        pods = s.fake_pods(2)
         for p in pods:
             httpx.post(f"http://127.0.0.1:{p}/_control/metrics", json={"waiting": 4, "running": 2, "kv": 0.5})
-        config = proxy_config(pods, redis_port, scrape_interval_ms=100)
-        config["litellm_settings"]["callbacks"].insert(0, "prometheus")
-        config["litellm_settings"]["require_auth_for_metrics_endpoint"] = False
-        config["litellm_settings"]["json_logs"] = True  # the plugin's lines follow: one JSON object each
-        path = tmp / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        procs.append(Proc("scraper", CLI + ["scrape", "--config", str(path)], tmp))
-        ports = [free_port() for _ in range(2)]  # two replicas show "every replica follows"
-        proxies = [start_litellm_proxy(path, port, tmp, f"proxy-{i}") for i, port in enumerate(ports)]
-        procs += proxies
-        for proc, port in zip(proxies, ports):
-            wait_proxy(proc, port)
-        yield {"config": path, "ports": ports, "redis": redis.Redis(port=redis_port), "proxies": proxies}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        store.stop()
+
+        def observed(config):
+            config["litellm_settings"]["callbacks"].insert(0, "prometheus")
+            config["litellm_settings"]["require_auth_for_metrics_endpoint"] = False
+            config["litellm_settings"]["json_logs"] = True  # the plugin's lines follow: one JSON object each
+
+        path = s.config(pods, redis_port, edit=observed, scrape_interval_ms=100)
+        s.scraper(path)
+        started = s.proxies(path, ["proxy-0", "proxy-1"])  # two replicas show "every replica follows"
+        yield {"config": path, "ports": [int(url.rsplit(":", 1)[1]) for _, url in started],
+               "redis": redis.Redis(port=redis_port), "proxies": [proc for proc, _ in started]}
 
 
 def sheddable_status(port: int) -> int:
