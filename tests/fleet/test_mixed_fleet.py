@@ -256,7 +256,7 @@ async def test_a_group_that_mixes_pods_and_a_hosted_deployment_goes_to_its_pods_
 
 def test_sprayed_adapter_names_stay_out_of_the_residency_memory():
     fleet = FleetView(build_settings({"residency_memory": 4}))
-    fleet.serve(["listed"])
+    fleet.adapters.serve(["listed"])
     fleet.update({"a": PodRecord("a", time.time(), PodMetrics(max_lora=1))})
     fleet.note_dispatch("a", "listed", time.time(), call_id="l")
     fleet.note_dispatch("a", "served", time.time(), call_id="s")

@@ -199,6 +199,16 @@ async def test_no_healthy_deployment_is_503():
         strat.pick("sql-lora", [], {})
 
 
+def _sync_settings(router, **settings) -> None:
+    """What the proxy's settings sync does to the router, by the call the release offers (1.110: `apply`)."""
+    if hasattr(router, "apply"):
+        from litellm.router_api import ChangeSet
+
+        router.apply(ChangeSet(settings=settings))
+    else:
+        router.update_settings(**settings)
+
+
 async def test_proxy_plugin_reinstalls_after_the_router_drops_it(monkeypatch):
     from litellm.proxy import proxy_server
 
@@ -209,7 +219,7 @@ async def test_proxy_plugin_reinstalls_after_the_router_drops_it(monkeypatch):
     try:
         first = plugin.ensure_installed()
         assert installed_strategy(router) is first
-        router.update_settings(routing_strategy="least-busy")  # what a settings sync does: 1.108 drops it,
+        _sync_settings(router, routing_strategy="least-busy")  # what a settings sync does: 1.108 drops it,
         router.__dict__.pop("get_available_deployment", None)  # older releases keep it: drop it as 1.108 does
         router.__dict__.pop("async_get_available_deployment", None)
         assert installed_strategy(router) is None

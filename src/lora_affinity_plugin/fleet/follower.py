@@ -211,7 +211,7 @@ class Follower:
         self.fleet.update_peers(decode_shares(raws[1 + len(pods):-1], -self.clock.offset_s), time.time())
         served = decode_served(raws[-1])
         if served != self.served_models:
-            self.fleet.serve(served)  # what gateways deal over the pods to agree on placements
+            self.fleet.adapters.serve(served)  # what gateways deal over the pods to agree on placements
         self.served_models = served
         self._follow_prefixes(stream)
         if exact_from:

@@ -35,8 +35,8 @@ class RequestBuilder:
         clock): the prompts still being computed where they were sent count too."""
         hashes = prompt_prefix(messages, scope, request_kwargs, settings)
         gateways = 1 + fleet.peer_processes
-        home = fleet.dealt_pod(adapter, pods) if gateways > 1 and adapter is not None else None
-        served = fleet.served_adapters
+        home = fleet.adapters.dealt_pod(adapter, pods) if gateways > 1 and adapter is not None else None
+        served = fleet.adapters.served
         dealt = served if home is not None else 0
         if not hashes:
             return RouteRequest(adapter, sheddable, placement_key=placement_key(scope, ()), gateways=gateways,

@@ -8,10 +8,9 @@ Residency: an idle pod keeps the adapters it ran most recently (an LRU of `max_l
 vLLM's GPU slots), unless the server reports them itself.
 Prefixes: `prefixes` is the approximate index of what each pod's KV cache holds (prefix_index.py),
 sized from each pod's reported cache.
-Adapter names: a wildcard deployment passes any requested name to the pods. A name counts as active
-while its own requests are in flight (vLLM refuses an adapter it cannot load at once, so a made-up name
-counts for a round trip), and enters a pod's residency memory only once a pod reports it, lists it in
-/v1/models or served a request for it: names sprayed at the gateway cannot crowd real adapters out.
+Adapter names: a name counts as active while its own requests are in flight (vLLM refuses an adapter it
+cannot load at once, so a made-up name counts for a round trip), and enters a pod's residency memory only once
+it is known (`adapters.AdapterCatalog`).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from ..kv.prefix_index import PrefixIndex
 from ..routing.cost import relative_slowness
 from ..routing.podstate import DEFAULT_RATES
 from ..routing.scheduling import Candidate
+from .adapters import AdapterCatalog
 from .inflight import Dispatch, InFlight, PeerShare
 from .store import PodRecord
 
@@ -82,12 +82,7 @@ class FleetView:
         self.prefixes = PrefixIndex(settings.prefix_ttl_ms / 1000)
         self.held = HeldBlocks()
         """What each pod's engine reports its cache holds (its KV events, through the scraper and Redis)."""
-
-        self._dealing: dict[str, int] = {}
-        self._reported: frozenset[str] = frozenset()
-        """Adapters some pod reports (running, waiting or loaded), as of the last update."""
-        self._confirmed: OrderedDict[str, None] = OrderedDict()
-        """Adapters a pod served a request for (`confirm`), most recent last."""
+        self.adapters = AdapterCatalog()
         self._stalest_scrape = float("-inf")
         """The oldest scrape among pods with metrics: when it is fresh, so is every pod (no per-pod check)."""
         self._lists: OrderedDict[tuple[str, ...], _CandidateList] = OrderedDict()
@@ -121,9 +116,9 @@ class FleetView:
                 self._unusable.discard(pod)
         self._stalest_scrape = min((state.record.scraped_at for state in self._pods.values() if state.base is not None),
                                    default=float("-inf"))
-        self._reported = frozenset().union(*(
+        self.adapters.report(frozenset().union(*(
             names for m in (state.record.metrics for state in self._pods.values()) if m is not None
-            for names in (m.running_lora_adapters, m.waiting_lora_adapters, m.loaded_lora_adapters)))
+            for names in (m.running_lora_adapters, m.waiting_lora_adapters, m.loaded_lora_adapters))))
         self._compare_speeds()
         self._build_views()
 
@@ -169,40 +164,14 @@ class FleetView:
         scale = self.settings.engine_time_scale
         return {pod: (until - now) * scale for pod, until in self._computing_until.items() if until > now}
 
-    @property
-    def served_adapters(self) -> int:
-        """How many adapters the pods' /v1/models list (`serve`)."""
-        return len(self._dealing)
-
-    def adapter_known(self, adapter: str) -> bool:
-        """Whether `adapter` is one the pods serve: listed in their /v1/models, reported by one of them, or
-        served a request."""
-        return adapter in self._dealing or adapter in self._reported or adapter in self._confirmed
-
     def confirm(self, served: Dispatch) -> None:
         """`served.pod` answered a request for `served.adapter`: a real adapter, which that pod now holds."""
         adapter = served.adapter
-        if adapter is None or self.adapter_known(adapter):
+        if adapter is None or not self.adapters.confirm(adapter):
             return  # known when it was sent: its dispatch already left it in the pod's memory
-        self._confirmed[adapter] = None
-        if len(self._confirmed) > _CONFIRMED_KEPT:
-            self._confirmed.popitem(last=False)
         state = self._pods.get(served.pod)
         if state is not None:
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
-
-    def serve(self, adapters: Iterable[str]) -> None:
-        """The adapters the fleet serves (the pods' /v1/models, from discovery): what gateways deal."""
-        order = sorted(adapters)
-        self._dealing = {adapter: i for i, adapter in enumerate(order)}
-
-    def dealt_pod(self, adapter: str, pods: Iterable[str]) -> str | None:
-        """Served adapters dealt over the pods in order, like cards: every gateway deals alike."""
-        index = self._dealing.get(adapter)
-        if index is None:
-            return None
-        ordered = sorted(pods)
-        return ordered[index % len(ordered)] if ordered else None
 
     def update_peers(self, share: PeerShare, now: float | None = None) -> None:
         """Replace what the peers sent; only their dispatches newer than a pod's scrape count.
@@ -224,7 +193,7 @@ class FleetView:
                 state.view = None
                 slots = self._memory(state.base.max_lora if state.base else None)
                 for _, adapter in state.peers:  # a peer's dispatch leaves its adapter resident too
-                    if adapter is not None and self.adapter_known(adapter):
+                    if adapter is not None and self.adapters.known(adapter):
                         _touch(state.resident, adapter, slots)
         self._build_views()
 
@@ -322,7 +291,7 @@ class FleetView:
             return
         state.pending[call_id] = (now, adapter)
         self._renew(pod, state)
-        if adapter is not None and self.adapter_known(adapter):
+        if adapter is not None and self.adapters.known(adapter):
             _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
 
     def refused(self, pod: str, now: float) -> bool:
@@ -422,9 +391,6 @@ class FleetView:
             state.view = base
         return state.view
 
-
-_CONFIRMED_KEPT = 4096
-"""Adapter names remembered as served (`confirm`): more than any fleet serves, bounded all the same."""
 
 _LISTS_KEPT = 16
 """Candidate lists kept (`_fresh_list`): one per set of healthy deployments a model group has."""

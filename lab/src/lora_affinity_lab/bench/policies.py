@@ -209,7 +209,7 @@ class Rules(Policy):
         self.fleet.maintain(at)
 
     def discovered(self, adapters: list[str]) -> None:
-        self.fleet.serve(adapters)
+        self.fleet.adapters.serve(adapters)
 
     def take_prefixes(self) -> list:
         entries = self.fleet.prefixes.take_outbox(SHARE_MAX_BLOCKS)
