@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from .conditions import AdapterSurvey
 from .decision import Candidate, DecisionRun, Filter
 from .placement import (
@@ -80,25 +82,29 @@ class AdapterActive(Filter):
         return run.adapter_roomy
 
 
-class AdapterRunning(Filter):
+class _ByAdapter(Filter):
+    """The pods whose `adapters` set holds the request's adapter (or, with `holding` False, does not)."""
+
+    adapters: ClassVar[str] = "active_adapters"
+    holding: ClassVar[bool] = True
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        adapter, field, holding = run.request.adapter, self.adapters, self.holding
+        return [p for p in pods if (adapter in getattr(p, field)) is holding]
+
+
+class AdapterRunning(_ByAdapter):
     """The pods running the request's adapter."""
 
     name = "adapter_running"
     rule = "adapter_active"
 
-    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
-        adapter = run.request.adapter
-        return [p for p in pods if adapter in p.active_adapters]
 
-
-class AdapterElsewhere(Filter):
+class AdapterElsewhere(_ByAdapter):
     """Placing an adapter: the pods not running it yet (all of them, when every pod runs it)."""
 
     name = "adapter_elsewhere"
-
-    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
-        adapter = run.request.adapter
-        return [p for p in pods if adapter not in p.active_adapters]
+    holding = False
 
 
 class AdmitsNow(Filter):
@@ -144,14 +150,11 @@ class Dealt(Filter):
         return run.dealt or [p for p in pods if p.key == home]
 
 
-class Resident(Filter):
+class Resident(_ByAdapter):
     """Pods that still hold the adapter (loading it back costs nothing there)."""
 
     name = "resident"
-
-    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
-        adapter = run.request.adapter
-        return [p for p in pods if adapter in p.resident_adapters]
+    adapters = "resident_adapters"
 
 
 class FreeSlot(Filter):

@@ -17,7 +17,14 @@ from .placement import (
 from .ttft import predictions
 
 
-class LeastLoad(Scorer):
+class _CountBand(Scorer):
+    """A count per pod (requests), within the endpoint picker's "least" band for counts."""
+
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        return least_band_int(costs, run.width)  # type: ignore[arg-type]
+
+
+class LeastLoad(_CountBand):
     """Waiting plus running requests, within the endpoint picker's "least" band."""
 
     name = "least_load"
@@ -25,20 +32,14 @@ class LeastLoad(Scorer):
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
         return [p.load for p in pods]
 
-    def edge(self, costs: list[float], run: DecisionRun) -> float:
-        return least_band_int(costs, run.width)  # type: ignore[arg-type]
 
-
-class LeastQueue(Scorer):
+class LeastQueue(_CountBand):
     """Waiting requests, within the "least" band (the endpoint picker's)."""
 
     name = "least_queue"
 
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
         return [p.waiting for p in pods]
-
-    def edge(self, costs: list[float], run: DecisionRun) -> float:
-        return least_band_int(costs, run.width)  # type: ignore[arg-type]
 
 
 class LeastKv(Scorer):
@@ -169,13 +170,11 @@ class LoraScore(Scorer):
         return [-(1.0 if adapter in p.active_adapters else 0.8 if p.has_free_slot() else 0.0) for p in pods]
 
 
-class LeastLoadExact(Scorer):
+class LeastLoadExact(LeastLoad):
     """sglang-cache-aware: the least load, exactly (no band)."""
 
     name = "least_load_exact"
-
-    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
-        return [p.load for p in pods]
+    edge = Scorer.edge
 
 
 class LongestMatch(Scorer):
