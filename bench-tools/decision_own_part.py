@@ -12,6 +12,7 @@ renewed every 200 decisions. `side_by_side.sh` runs it for several commits in tu
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import random
 import statistics
@@ -23,15 +24,24 @@ warnings.simplefilter("ignore")
 
 import litellm  # noqa: E402
 
-from lora_affinity_plugin.fleet.view import FleetView  # noqa: E402
-from lora_affinity_plugin.fleet.pods import discover_pods  # noqa: E402
-try:
-    from lora_affinity_plugin.routing.podstate import PodMetrics  # noqa: E402
-except ImportError:  # versions before podstate.py kept it with the rules
-    from lora_affinity_plugin.routing.scheduling import PodMetrics  # type: ignore[no-redef]  # noqa: E402
-from lora_affinity_plugin.config.settings import build_settings  # noqa: E402
-from lora_affinity_plugin.fleet.store import PodRecord  # noqa: E402
-from lora_affinity_plugin.strategy import LoraAffinityStrategy  # noqa: E402
+
+
+def _module(*names: str):
+    """The first of `names` this version has: since the package's folders, `fleet.view`; before, `fleet`."""
+    for name in names:
+        try:
+            return importlib.import_module(f"lora_affinity_plugin.{name}")
+        except ImportError:
+            continue
+    raise ImportError(names)
+
+
+FleetView = _module("fleet.view", "fleet").FleetView
+discover_pods = _module("fleet.pods", "pods").discover_pods
+PodMetrics = getattr(_module("routing.podstate", "podstate", "scheduling"), "PodMetrics")
+build_settings = _module("config.settings", "settings").build_settings
+PodRecord = _module("fleet.store", "store").PodRecord
+LoraAffinityStrategy = _module("strategy").LoraAffinityStrategy
 
 DEPLOYMENTS = 64
 PROMPT_CHARS = 16384

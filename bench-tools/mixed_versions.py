@@ -38,8 +38,13 @@ ADAPTERS = ["sql-lora", "tweet-summary", "chat-lora"]
 NEW_SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+def _cli(src: str) -> str:
+    """The command line's module in the release at `src` (`ops/cli.py` since the package's folders, `cli.py` before)."""
+    return "lora_affinity_plugin.ops.cli" if (Path(src) / "lora_affinity_plugin" / "ops").is_dir() else "lora_affinity_plugin.cli"
+
+
 def _phase(name: str, tmp: Path, config: Path, port: int, scraper_src: str, proxy_src: str, requests: int) -> dict:
-    scraper = Proc(f"scraper-{name}", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "scrape", "--config",
+    scraper = Proc(f"scraper-{name}", [sys.executable, "-m", _cli(scraper_src), "scrape", "--config",
                                        str(config)], tmp, env=child_env(PYTHONPATH=scraper_src))
     proxy = litellm_proxy(config, port, tmp, f"proxy-{name}",
                           env=child_env(PYTHONPATH=proxy_src, LORA_AFFINITY_LOG_LEVEL="DEBUG"))
@@ -70,7 +75,7 @@ def main() -> int:
     base = free_port_range(2)
     redis_port, proxy_port = (next(p for p in iter(free_port, None) if p not in (base, base + 1)) for _ in range(2))
     store = redis_server(redis_port, tmp)
-    sim = Proc("sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "2", "--base-port",
+    sim = Proc("sim", [sys.executable, "-m", _cli(NEW_SRC), "sim", "--replicas", "2", "--base-port",
                        str(base), "--speed", "10", "--mean-output-tokens", "20", "--warm-adapters", ",".join(ADAPTERS)], tmp)
     try:
         for port in (base, base + 1):
