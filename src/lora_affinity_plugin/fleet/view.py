@@ -4,8 +4,8 @@ Scraped metrics are always a little old. Requests sent after a pod's scrape, by 
 its peers (shared through Redis, see `inflight.py`), are not in that pod's numbers yet, so they are
 added as waiting requests (with their adapters) until they end or a newer scrape covers them. That
 keeps a burst of requests that all see one snapshot from herding onto the same "best" pod.
-Residency: an idle pod keeps the adapters it ran most recently (an LRU of `max_lora` slots, like
-vLLM's GPU slots), unless the server reports them itself.
+Residency: an idle pod keeps the adapters it ran most recently (`residency.ResidencyMemory`), unless the
+server reports them itself.
 Prefixes: `prefixes` is the approximate index of what each pod's KV cache holds (prefix_index.py),
 sized from each pod's reported cache.
 Adapter names: a name counts as active while its own requests are in flight (vLLM refuses an adapter it
@@ -28,6 +28,7 @@ from ..routing.podstate import DEFAULT_RATES
 from ..routing.scheduling import Candidate
 from .adapters import AdapterCatalog
 from .inflight import Dispatch, InFlight, PeerShare
+from .residency import ResidencyMemory
 from .store import PodRecord
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ _DEFAULT_SLOTS = 4
 class _PodState:
     record: PodRecord
     base: Candidate | None
-    resident: OrderedDict[str, None] = field(default_factory=OrderedDict)
     pending: dict[str, tuple[float, str | None]] = field(default_factory=dict)
     """This process's dispatches not yet covered by a scrape nor ended, oldest first."""
     peers: list[tuple[float, str | None]] = field(default_factory=list)
@@ -83,6 +83,7 @@ class FleetView:
         self.held = HeldBlocks()
         """What each pod's engine reports its cache holds (its KV events, through the scraper and Redis)."""
         self.adapters = AdapterCatalog()
+        self.residency = ResidencyMemory()
         self._stalest_scrape = float("-inf")
         """The oldest scrape among pods with metrics: when it is fresh, so is every pod (no per-pod check)."""
         self._lists: OrderedDict[tuple[str, ...], _CandidateList] = OrderedDict()
@@ -171,7 +172,7 @@ class FleetView:
             return  # known when it was sent: its dispatch already left it in the pod's memory
         state = self._pods.get(served.pod)
         if state is not None:
-            _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
+            self.residency.touch(served.pod, adapter, self._memory(state.base.max_lora if state.base else None))
 
     def update_peers(self, share: PeerShare, now: float | None = None) -> None:
         """Replace what the peers sent; only their dispatches newer than a pod's scrape count.
@@ -194,7 +195,7 @@ class FleetView:
                 slots = self._memory(state.base.max_lora if state.base else None)
                 for _, adapter in state.peers:  # a peer's dispatch leaves its adapter resident too
                     if adapter is not None and self.adapters.known(adapter):
-                        _touch(state.resident, adapter, slots)
+                        self.residency.touch(pod, adapter, slots)
         self._build_views()
 
     def _build_views(self) -> None:
@@ -233,9 +234,7 @@ class FleetView:
         elif not self.settings.remember_residency:
             resident = active
         else:
-            for adapter in sorted(active):
-                _touch(state.resident, adapter, slots)
-            resident = frozenset(state.resident)
+            resident = self.residency.remember(state.record.pod, active, slots)
         size = metrics.num_gpu_blocks * metrics.block_size if metrics.num_gpu_blocks and metrics.block_size else None
         return Candidate(
             key=state.record.pod,
@@ -292,7 +291,7 @@ class FleetView:
         state.pending[call_id] = (now, adapter)
         self._renew(pod, state)
         if adapter is not None and self.adapters.known(adapter):
-            _touch(state.resident, adapter, self._memory(state.base.max_lora if state.base else None))
+            self.residency.touch(pod, adapter, self._memory(state.base.max_lora if state.base else None))
 
     def refused(self, pod: str, now: float) -> bool:
         """A request could not connect to `pod`: it leaves the candidates now, not after its metrics go
@@ -406,9 +405,3 @@ class _CandidateList:
         self.renew: list[int] = []
         """Positions whose view changed since the list was last read."""
 
-
-def _touch(lru: OrderedDict[str, None], adapter: str, slots: int) -> None:
-    lru[adapter] = None
-    lru.move_to_end(adapter)
-    while len(lru) > slots:
-        lru.popitem(last=False)
