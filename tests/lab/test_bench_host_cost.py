@@ -62,11 +62,11 @@ def test_host_cost_profile_counts_only_the_plugin_s_own_frames_and_where_samples
     site, plugin, lib = "/v/lib/python3.11/site-packages", "/w/src/lora_affinity_plugin", "/usr/lib/python3.11"
     raw = tmp_path / "profile.raw"
     raw.write_text("\n".join([
-        f"process 1;run ({lib}/asyncio/runners.py:118);choose ({plugin}/strategy.py:90);"
-        f"decide ({plugin}/scheduling.py:40) 7",
-        f"process 1;run ({lib}/asyncio/runners.py:118);refresh ({plugin}/fleet.py:60);"
+        f"process 1;run ({lib}/asyncio/runners.py:118);choose ({plugin}/host/host_strategy.py:90);"
+        f"decide ({plugin}/routing/scheduling.py:40) 7",
+        f"process 1;run ({lib}/asyncio/runners.py:118);refresh ({plugin}/fleet/follower.py:60);"
         f"read_response ({site}/redis/connection.py:500) 3",
-        f"process 1;choose ({plugin}/strategy.py:90);acompletion ({site}/litellm/main.py:400) 5",
+        f"process 1;choose ({plugin}/host/host_strategy.py:90);acompletion ({site}/litellm/main.py:400) 5",
         f"process 1;handle ({site}/starlette/routing.py:70);select ({lib}/asyncio/base_events.py:1900) 10",
         f"process 1;_bootstrap ({lib}/threading.py:995);_worker ({lib}/concurrent/futures/thread.py:81) 50",
         f"process 1;_bootstrap ({lib}/threading.py:995);Condition.wait ({lib}/threading.py:327) 40",
