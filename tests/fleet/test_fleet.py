@@ -251,3 +251,35 @@ def test_a_record_with_numbers_no_server_reports_costs_that_pod_only(caplog):
     assert sorted(c.key for c in fleet.candidates(["a", "b", "c"], 101.2)) == ["a", "c"]
     assert next(c for c in fleet.candidates(["c"], 101.2)).waiting == 3  # the pod after the bad one was updated
     assert sum("pod b: its record cannot be used" in r.message for r in caplog.records) == 1
+
+
+def test_the_residency_memory_keeps_each_pods_most_recent_adapters_up_to_its_slots():
+    from lora_affinity_plugin.fleet.residency import ResidencyMemory
+
+    memory = ResidencyMemory()
+    assert memory.remember("a", frozenset({"x", "y"}), slots=3) == {"x", "y"}
+    memory.touch("a", "z", slots=3)
+    memory.touch("a", "x", slots=3)  # x is the most recent again: y is now the oldest
+    memory.touch("a", "w", slots=3)
+    assert memory.remember("a", frozenset(), slots=3) == {"z", "x", "w"}
+    assert memory.remember("b", frozenset(), slots=3) == frozenset()  # another pod's memory is its own
+
+
+def test_the_adapter_catalog_knows_listed_reported_and_served_names_and_deals_alike_everywhere():
+    from lora_affinity_plugin.fleet import adapters
+    from lora_affinity_plugin.fleet.adapters import AdapterCatalog
+
+    catalog, other = AdapterCatalog(), AdapterCatalog()
+    for c in (catalog, other):
+        c.serve(["sql-lora", "chat-lora", "code-lora"])
+    assert catalog.served == 3 and catalog.known("chat-lora") and not catalog.known("made-up")
+    pods = ["p2", "p0", "p1"]
+    assert [catalog.dealt_pod(a, pods) for a in ("chat-lora", "code-lora", "sql-lora")] == ["p0", "p1", "p2"]
+    assert all(catalog.dealt_pod(a, reversed(pods)) == other.dealt_pod(a, pods) for a in ("chat-lora", "sql-lora"))
+    assert catalog.dealt_pod("made-up", pods) is None and catalog.dealt_pod("sql-lora", []) is None
+    catalog.report(frozenset({"reported"}))
+    assert catalog.known("reported") and not catalog.confirm("reported")  # known already
+    assert catalog.confirm("served-once") and catalog.known("served-once")
+    for i in range(adapters.CONFIRMED_KEPT):
+        catalog.confirm(f"n{i}")
+    assert not catalog.known("served-once") and catalog.known(f"n{adapters.CONFIRMED_KEPT - 1}")  # bounded
