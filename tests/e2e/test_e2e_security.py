@@ -12,9 +12,8 @@ import time
 import httpx
 import pytest
 import yaml
-from procs import MASTER_KEY, Proc, child_env, free_port, free_port_range, wait_port
-
-from lora_affinity_lab.processes import litellm_proxy, proxy_config
+from procs import MASTER_KEY, Proc, child_env, wait_port
+from stacks import Stack
 
 PASSWORD, USER_PASSWORD, TOKEN = "adm1n-s3cret", "us3r-s3cret", "metr1cs-t0ken"
 SECRETS = (PASSWORD, USER_PASSWORD, TOKEN)
@@ -35,38 +34,30 @@ def stack(tmp_path_factory):
     (tmp / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
             "server.crt", "-days", "2", "-extfile", "ext.cnf", cwd=tmp)
-    sim_base = free_port_range(2)
-    tls_port = next(p for p in iter(free_port, None) if p not in (sim_base, sim_base + 1))
-    (tmp / "users.acl").write_text(
-        f"user default on >{PASSWORD} ~* &* +@all\n"
-        f"user lora on >{USER_PASSWORD} ~{{lora_affinity}}:* &{{lora_affinity}}:* +@all\n")
-    procs = [Proc("redis-tls", [shutil.which("redis-server"), "--port", "0", "--tls-port", str(tls_port),
-                                "--tls-cert-file", str(tmp / "server.crt"), "--tls-key-file", str(tmp / "server.key"),
-                                "--tls-ca-cert-file", str(tmp / "ca.crt"), "--tls-auth-clients", "no",
-                                "--aclfile", str(tmp / "users.acl"), "--save", "", "--bind", "127.0.0.1"], tmp)]
-    try:
+    with Stack(tmp) as s:
+        tls_port = s.port()
+        (tmp / "users.acl").write_text(
+            f"user default on >{PASSWORD} ~* &* +@all\n"
+            f"user lora on >{USER_PASSWORD} ~{{lora_affinity}}:* &{{lora_affinity}}:* +@all\n")
+        s.start("redis-tls", [shutil.which("redis-server"), "--port", "0", "--tls-port", str(tls_port),
+                              "--tls-cert-file", str(tmp / "server.crt"), "--tls-key-file", str(tmp / "server.key"),
+                              "--tls-ca-cert-file", str(tmp / "ca.crt"), "--tls-auth-clients", "no",
+                              "--aclfile", str(tmp / "users.acl"), "--save", "", "--bind", "127.0.0.1"])
         wait_port(tls_port)
-        procs.append(Proc("sim", CLI + ["sim", "--replicas", "2", "--base-port", str(sim_base), "--metrics-token", TOKEN],
-                          tmp))
-        wait_port(sim_base)
-        wait_port(sim_base + 1)
+        pods = s.sim(2, "--metrics-token", TOKEN)
         url = f"rediss://lora:{USER_PASSWORD}@127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp / 'ca.crt'}"
-        config = proxy_config([sim_base, sim_base + 1], 0, scrape_interval_ms=100,
-                              metrics_bearer_token="os.environ/VLLM_METRICS_TOKEN", metrics_token_pods=["127.0.0.1:*"])
-        config["lora_affinity"]["redis_url"] = "os.environ/REDIS_URL"
-        path = tmp / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
+
+        def through_the_environment(config):
+            config["lora_affinity"]["redis_url"] = "os.environ/REDIS_URL"
+
+        path = s.config(pods, 0, edit=through_the_environment, scrape_interval_ms=100,
+                        metrics_bearer_token="os.environ/VLLM_METRICS_TOKEN", metrics_token_pods=["127.0.0.1:*"])
         env = child_env(REDIS_URL=url, VLLM_METRICS_TOKEN=TOKEN)
-        procs.append(Proc("scraper", CLI + ["scrape", "--config", str(path)], tmp, env=env))
-        proxy_port = free_port()
-        procs.append(litellm_proxy(path, proxy_port, tmp, env=child_env(REDIS_URL=url, VLLM_METRICS_TOKEN=TOKEN,
-                                                                        LORA_AFFINITY_LOG_LEVEL="DEBUG")))
+        s.start("scraper", CLI + ["scrape", "--config", str(path)], env=env)
+        _, proxy_url = s.proxy(path, env=child_env(REDIS_URL=url, VLLM_METRICS_TOKEN=TOKEN, LORA_AFFINITY_LOG_LEVEL="DEBUG"))
         time.sleep(0.5)
-        yield {"config": path, "env": env, "procs": procs, "tls_port": tls_port, "proxy_port": proxy_port,
-               "sim": sim_base, "tmp": tmp}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+        yield {"config": path, "env": env, "procs": s.procs, "tls_port": tls_port,
+               "proxy_port": int(proxy_url.rsplit(":", 1)[1]), "sim": pods[0], "tmp": tmp}
 
 
 def cli(stack, *args, env=None):
