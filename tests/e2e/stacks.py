@@ -8,11 +8,16 @@ one a replica is about to bind.
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+from lora_affinity_lab.bench.tokenizer_files import (
+    CHAT_TEMPLATE,  # the simulator's rendering, as Jinja
+)
 from lora_affinity_lab.processes import start_litellm_proxy, wait_proxy
 from procs import (
     Proc,
@@ -26,8 +31,29 @@ from procs import (
     redis_server,
     wait_port,
 )
+from tokenizer_files import train_tokenizer
 
 CLI_MODULE = "lora_affinity_plugin.ops.cli"
+
+
+@dataclass
+class KvSim:
+    """Simulated replicas that publish vLLM's KV events and tokenize with the tests' trained `tokenizer.json`."""
+
+    pods: list[int]
+    pub: int
+    replay: int
+    """The first replica's event and replay ports; replica i publishes on these plus i."""
+    tokenizers: dict[str, dict[str, str]]
+    """The plugin's `tokenizers` setting for them: the same tokenizer and the simulator's chat template."""
+
+    def name_endpoints(self, config: dict[str, Any], publishing: int | None = None) -> None:
+        """Each deployment's KV-event endpoints in `config` (past the first `publishing` pods: none)."""
+        for i, deployment in enumerate(config["model_list"]):
+            deployment["model_info"] = (
+                {"kv_events_endpoint": f"tcp://127.0.0.1:{self.pub + i}",
+                 "kv_events_replay_endpoint": f"tcp://127.0.0.1:{self.replay + i}"}
+                if publishing is None or i < publishing else {"kv_events_endpoint": ""})
 
 
 class Stack:
@@ -78,6 +104,18 @@ class Stack:
         for port in ports:
             wait_port(port)
         return ports
+
+    def kv_sim(self, replicas: int, *args: str) -> KvSim:
+        """`sim` with every replica publishing KV events on ports of its own, tokenizing with a trained tokenizer
+        written to the stack's folder beside the chat template."""
+        train_tokenizer(self.tmp / "tokenizer.json")
+        (self.tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+        pub, replay = self.port_range(replicas), self.port_range(replicas)
+        events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                             "replay_endpoint": f"tcp://*:{replay}"})
+        pods = self.sim(replicas, *args, "--tokenizer", str(self.tmp / "tokenizer.json"), "--kv-events-config", events)
+        files = {"tokenizer": str(self.tmp / "tokenizer.json"), "chat_template": str(self.tmp / "chat.jinja")}
+        return KvSim(pods, pub, replay, {"*": files})
 
     def fake_pods(self, count: int) -> list[int]:
         """`tests/fake_pods.py` pods, whose metrics and answers a test scripts; their ports."""

@@ -8,7 +8,6 @@ prompt (it reads at most `prefix_max_chars` of it).
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import time
@@ -19,12 +18,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lora_affinity_lab.bench.tokenizer_files import (
-    CHAT_TEMPLATE,  # the simulator's rendering, as Jinja
-)
 from procs import MASTER_KEY, proxy_config
 from stacks import Stack
-from tokenizer_files import train_tokenizer
 
 HEADERS = {"Authorization": f"Bearer {MASTER_KEY}", "Content-Type": "application/json"}
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 200
@@ -34,24 +29,17 @@ IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 200
 def proxies(tmp_path_factory):
     with Stack(tmp_path_factory.mktemp("hostile")) as s:
         tmp = s.tmp
-        train_tokenizer(tmp / "tokenizer.json")
-        (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-        pub, replay = s.port_range(2), s.port_range(2)
         redis_port = s.redis()
-        events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                             "replay_endpoint": f"tcp://*:{replay}"})
-        pods = s.sim(2, "--speed", "50", "--tokenizer", str(tmp / "tokenizer.json"), "--kv-events-config", events)
+        fleet = s.kv_sim(2, "--speed", "50")
+        pods = fleet.pods
 
         def observed_with_events(config):
-            for i, deployment in enumerate(config["model_list"]):
-                deployment["model_info"] = {"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
-                                            "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"}
+            fleet.name_endpoints(config)
             config["litellm_settings"]["callbacks"].insert(0, "prometheus")
 
         # KV events on: every prompt is also rendered and tokenized on the request path (capped like the index's)
         with_plugin = s.config(pods, redis_port, "with.yaml", edit=observed_with_events, kv_events=True,
-                               tokenizers={"*": {"tokenizer": str(tmp / "tokenizer.json"),
-                                                 "chat_template": str(tmp / "chat.jinja")}})
+                               tokenizers=fleet.tokenizers)
         without_plugin = tmp / "without.yaml"
         alone = proxy_config(pods, redis_port, "simple-shuffle")
         alone["litellm_settings"]["callbacks"] = ["prometheus"]  # the same host callbacks but the plugin

@@ -11,9 +11,6 @@ import time
 
 import httpx
 import pytest
-from lora_affinity_lab.bench.tokenizer_files import (
-    CHAT_TEMPLATE,  # the simulator's rendering, as Jinja
-)
 from procs import (
     MASTER_KEY,
     Decisions,
@@ -21,7 +18,6 @@ from procs import (
     lora_affinity,
 )
 from stacks import Stack
-from tokenizer_files import train_tokenizer
 
 SYSTEM = "You are the billing assistant. " + " ".join(f"billing rules {i}: answer the user question." for i in range(60))
 
@@ -30,22 +26,11 @@ SYSTEM = "You are the billing assistant. " + " ".join(f"billing rules {i}: answe
 def stack(tmp_path_factory):
     with Stack(tmp_path_factory.mktemp("kv-events")) as s:
         tmp = s.tmp
-        train_tokenizer(tmp / "tokenizer.json")
-        (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-        pub, replay = s.port_range(3), s.port_range(3)
         redis_port = s.redis()
-        events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                             "replay_endpoint": f"tcp://*:{replay}"})
-        pods = s.sim(3, "--speed", "20", "--tokenizer", str(tmp / "tokenizer.json"), "--kv-events-config", events)
-
-        def endpoints(config):
-            for i, deployment in enumerate(config["model_list"]):
-                deployment["model_info"] = ({"kv_events_endpoint": f"tcp://127.0.0.1:{pub + i}",
-                                             "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay + i}"} if i < 2 else
-                                            {"kv_events_endpoint": ""})  # the third publishes none
-
-        path = s.config(pods, redis_port, edit=endpoints, kv_events=True,
-                        tokenizers={"*": {"tokenizer": str(tmp / "tokenizer.json"), "chat_template": str(tmp / "chat.jinja")}})
+        fleet = s.kv_sim(3, "--speed", "20")
+        pods = fleet.pods
+        path = s.config(pods, redis_port, edit=lambda c: fleet.name_endpoints(c, publishing=2),  # the third: none
+                        kv_events=True, tokenizers=fleet.tokenizers)
         s.scraper(path)
         proxy, url = s.proxy(path, env=debug_env())
         time.sleep(0.5)

@@ -62,6 +62,10 @@ def test_a_checkpoint_keeps_the_kv_cache_group_it_follows_and_an_earlier_release
     earlier = msgspec.msgpack.encode(["C1", 3, 1.0, False, BS, 0, [1, keys(prompt)[0]]])
     old = decode_checkpoint(earlier)
     assert (old.seq, old.group, old.blocks) == (3, None, {1: keys(prompt)[0]})
+    for group, kind in (("0", None), (1, 7)):  # a group that is no number, a kind that is no text
+        damaged = msgspec.msgpack.encode(["C2", 3, 1.0, False, BS, 0, [], group, kind])
+        with pytest.raises(ValueError, match="a damaged C2 checkpoint"):
+            decode_checkpoint(damaged)
 
 
 async def _follow_once(endpoints, checkpoint=None):
