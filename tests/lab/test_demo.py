@@ -17,3 +17,7 @@ def test_demo_runs_end_to_end(tmp_path):
     for r in rows:
         t = r["transport"]
         assert t["proxy_requests_per_s"] > 0 and 0 < t["proxy_busiest_worker"] and t["proxy_cpu_ms_per_request"] > 0
+        # The live seed benchmark the demo runs (`bench --mode live`'s own loop): every request accounted for
+        assert r["completed"] + r["timeouts"] + r["errors"] == 120 and r["errors"] == 0, r
+        assert r["completed"] > 90 and r["output_tokens_per_s"] > 0 and sum(r["per_replica"]) >= r["completed"]
+    assert "vs shuffle" in stdout and (tmp_path / "demo.png").stat().st_size > 1000
