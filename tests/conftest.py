@@ -56,7 +56,7 @@ def _our_folders() -> set[str]:
 
 # Under pytest-xdist (README's test command) each module runs whole on one worker, in this order
 # (--no-loadscope-reorder): the longest start first, so the workers finish together.
-_SLOWEST_FIRST = ("test_bench_soak", "test_bench_live", "test_bench_host_cost", "test_demo", "test_e2e_host",
+_SLOWEST_FIRST = ("test_other_releases", "test_bench_soak", "test_bench_live", "test_bench_host_cost", "test_demo", "test_e2e_host",
                   "test_e2e_pooling", "test_e2e_prometheus", "test_e2e_disconnect", "test_e2e_redis_topologies",
                   "test_e2e_settings", "test_e2e_faults", "test_e2e_hostile", "test_e2e_kv_events")
 

@@ -181,10 +181,6 @@ def start_litellm_proxy(config: Path, port: int, log_dir: Path, name: str = "pro
                         workers: int = 1) -> Proc:
     """`litellm --config`; with `workers` > 1, uvicorn's worker processes (each a gateway with its own view)."""
     litellm_bin = str(Path(sys.executable).with_name("litellm"))
-    import os as _os
-    if _os.environ.get("PROXY_COUNT_LOG"):
-        with open(_os.environ["PROXY_COUNT_LOG"], "a") as _f:
-            _f.write(f"{_os.environ.get('PYTEST_CURRENT_TEST','?')} {workers}\n")
     return Proc(name, [litellm_bin, "--config", str(config), "--port", str(port), "--host", "127.0.0.1",
                        "--num_workers", str(workers)], log_dir, env=env)
 

@@ -89,9 +89,12 @@ def _errors(counts: dict, proxy) -> int:
     return counts["errors"] + unexplained
 
 
-def _client_note(counts: dict) -> str:
+def _client_note(counts: dict, explained: bool) -> str:
     kinds = ", ".join(f"{n} x {k}" for k, n in counts.get("client_kinds", {}).items())
-    return f" (client-side failures on responses the proxy answered 200: {kinds})" if kinds else ""
+    if not kinds:
+        return ""
+    return (f" (client-side failures on responses the proxy answered 200: {kinds})" if explained
+            else f" (client-side failures the proxy's log shows no answer to: {kinds})")
 
 
 async def _client(url: str, rate: float, until: float, rng: random.Random, counts: dict) -> None:
@@ -113,8 +116,9 @@ async def _client(url: str, rate: float, until: float, rng: random.Random, count
                     counts["ok" if resp.status_code == 200 else "errors"] += 1
             except httpx.HTTPError as exc:  # the client's side: the proxy's log says what it answered
                 counts["client"] += 1
-                counts.setdefault("client_kinds", {}).setdefault(type(exc).__name__, 0)
-                counts["client_kinds"][type(exc).__name__] += 1
+                kind = f"{type(exc).__name__} ({exc})" if str(exc) else type(exc).__name__
+                counts.setdefault("client_kinds", {}).setdefault(kind, 0)
+                counts["client_kinds"][kind] += 1
 
         tasks, i = set(), 0
         while time.monotonic() < until:
@@ -252,8 +256,9 @@ def run_soak(args: argparse.Namespace) -> int:
         for at, what in faults:
             print(f"  fault at {at:6.1f}s {what}")
         for name, c in counts.items():
-            print(f"{name}: requests {c['ok'] + c['errors'] + c['client']}, errors {_errors(c, procs[name])}"
-                  + (_client_note(c) if _errors(c, procs[name]) < c["errors"] + c["client"] else ""))
+            errors = _errors(c, procs[name])
+            print(f"{name}: requests {c['ok'] + c['errors'] + c['client']}, errors {errors}"
+                  + _client_note(c, explained=errors < c["errors"] + c["client"]))
         warm = next((r for r in rows if r["t"] >= duration / 6), rows[0])
         last = rows[-1]
         print(f"{'process':<32}{'start MB':>9}{'after warm-up MB':>17}{'end MB':>8}{'growth after warm-up':>22}")
