@@ -47,8 +47,11 @@ def test_status_shows_each_pods_engine_and_all_are_fresh(stack):
 
 
 def _send(client: httpx.Client, stack, adapter: str) -> str:
+    # 100 tokens, about 0.3 s at 20x: a scrape sees the adapter running on a vLLM pod. A request that ends between
+    # two scrapes (4 tokens: 10 ms) is never seen there, and on a loaded machine the plugin then forgets it once
+    # the next scrape is newer than the dispatch, while the SGLang pod stands in with what was sent to it.
     response = client.post(stack["proxy"] + "/v1/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"},
-                           json={"model": adapter, "prompt": "hi", "max_tokens": 4})
+                           json={"model": adapter, "prompt": "hi", "max_tokens": 100})
     assert response.status_code == 200, response.text
     return response.headers["x-litellm-model-api-base"].rstrip("/").removesuffix("/v1")
 

@@ -101,10 +101,11 @@ def test_a_hostile_body_gets_what_the_proxy_without_the_plugin_gives(proxies, na
 
 def test_the_plugin_never_failed_and_every_decision_stayed_bounded(proxies):
     before = plugin_counter(proxies["with"], "lora_affinity_decisions_total")
-    # The biggest bodies once more, so this test stands alone. Each of their decisions takes at most 5 ms of the
-    # plugin's own time (rendering and hashing all of a 10 MB prompt would take 25-45 ms here). The histogram is
-    # wall time, so a round in which the proxy was descheduled on a busy machine (CI: two cores, two pytest
-    # workers and their proxies) is sent again, up to three rounds: unbounded work fails every round.
+    # The biggest bodies once more, so this test stands alone. Each of their decisions takes at most 10 ms of the
+    # plugin's own time (under 5 ms on a quiet machine; rendering and hashing all of a 10 MB prompt would take
+    # 25-45 ms there). The histogram is wall time, so a round in which the proxy was descheduled on a busy machine
+    # (CI: two cores, three pytest workers and their proxies) is sent again, up to three rounds: unbounded work
+    # fails every round.
     rounds = []
     with httpx.Client(timeout=120) as client:
         for _ in range(3):
@@ -112,7 +113,7 @@ def test_the_plugin_never_failed_and_every_decision_stayed_bounded(proxies):
             for name in ("10 MB prompt", "10,000 messages", "lone surrogate"):
                 post(client, proxies["with"], HOSTILE[name])
             end = _decision_buckets(proxies["with"])
-            within, total = end["0.005"] - start["0.005"], end["+Inf"] - start["+Inf"]
+            within, total = end["0.01"] - start["0.01"], end["+Inf"] - start["+Inf"]
             rounds.append((within, total))
             if within == total:
                 break

@@ -21,7 +21,7 @@ FALLBACKS = Counter("lora_affinity_fallbacks_total", "Requests the plugin could 
 for _cause in ("no_metrics", "error"):  # exported at 0 from the start: a rate of nothing is 0, not absent
     FALLBACKS.labels(_cause)
 DECISION_SECONDS = Histogram("lora_affinity_decision_seconds", "Time to choose a pod (plugin's own part)",
-                             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3))
+                             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 2.5e-2))
 SHADOW = Counter("lora_affinity_shadow_total", "Shadow mode: requests LiteLLM routed, by whether the plugin would "
                  "have picked the same pod (agree: yes, no; or shed: it would have refused it)",
                  ["agree", "model_group"])
