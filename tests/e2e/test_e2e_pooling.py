@@ -115,9 +115,9 @@ def unclosed_sessions(stack, name: str) -> int:
 def test_the_plugin_pools_text_completions_to_each_pod(stack):
     """Runs first: each replica's peak of requests in flight is this test's."""
     before = replica_counters(stack)
-    outcome = asyncio.run(_load(stack["urls"]["pooled"], 300, stream_share=0.5))
+    outcome = asyncio.run(_load(stack["urls"]["pooled"], 150, stream_share=0.5))
     after = replica_counters(stack)
-    assert outcome == {"completed": 300, "abandoned": 0, "bad": 0}
+    assert outcome == {"completed": 150, "abandoned": 0, "bad": 0}
     for b, a in zip(before, after):
         opened, idle_closed = a["accepted"] - b["accepted"], a["idle_closed"] - b["idle_closed"]
         # About one connection per request in flight at once at that pod (plus any it closed when idle).
@@ -125,17 +125,17 @@ def test_the_plugin_pools_text_completions_to_each_pod(stack):
         # after the replica stopped counting the request: on a loaded machine new requests overlap that
         # moment (the benchmark, on a quiet one, measures connections = peak in 8 of 10 runs).
         assert opened <= 2 * a["peak"] + idle_closed, (opened, a["peak"], idle_closed)
-    assert sum(a["accepted"] - b["accepted"] for b, a in zip(before, after)) < 300 / 5
+    assert sum(a["accepted"] - b["accepted"] for b, a in zip(before, after)) < 150 / 3  # unpooled: 150
     assert unclosed_sessions(stack, "pooled") == 0
 
 
 def test_without_pooled_clients_litellm_opens_a_connection_per_text_completion(stack):
     """The root cause, kept honest: if a LiteLLM release fixes it, this test says so."""
     before = sim_counters(stack)
-    outcome = asyncio.run(_load(stack["urls"]["unpooled"], 200))
+    outcome = asyncio.run(_load(stack["urls"]["unpooled"], 100))
     after = sim_counters(stack)
-    assert outcome["completed"] == 200
-    assert after["accepted"] - before["accepted"] >= 180
+    assert outcome["completed"] == 100
+    assert after["accepted"] - before["accepted"] >= 90
 
 
 def test_abandoned_streams_are_aborted_upstream_and_leak_no_connection(stack):
