@@ -194,3 +194,18 @@ def test_a_chats_next_turn_hits_the_blocks_of_the_reply_it_resends():
     run_until_idle(e)
     reply_tokens = len(("x " * first.generated).encode()) // 3
     assert e.prefix_hits_total - hits_before >= (count_tokens(text) + reply_tokens - 2 * 16) // 16 * 16
+
+
+def test_a_workloads_texts_are_the_words_rng_choice_draws():
+    """Published figures stay reproducible: `text` draws as `rng.choice` would, and leaves the generator alike."""
+    from lora_affinity_lab.bench import prefix_workloads
+
+    for seed in range(50):
+        for tokens in (1, 40, 3000):
+            ours, theirs = random.Random(seed), random.Random(seed)
+            words, size = [], 0
+            while size < tokens * prefix_workloads.CHARS_PER_TOKEN:
+                words.append(theirs.choice(prefix_workloads._WORDS))
+                size += len(words[-1]) + 1
+            assert prefix_workloads.text(ours, tokens) == " ".join(words)
+            assert ours.random() == theirs.random()

@@ -146,6 +146,19 @@ def test_a_prompt_longer_than_the_context_is_refused_at_once(sim):
     assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"]
 
 
+def test_a_tokenizer_file_counts_exactly_what_fits_and_bounds_what_cannot(tmp_path):
+    """A prompt that cannot fit is refused on its length (10 MB of one letter took 10 s to tokenize)."""
+    from lora_affinity_lab.sim.kv_cache import FileTokenizer
+    from tokenizer_files import train_tokenizer
+
+    train_tokenizer(tmp_path / "tokenizer.json")
+    tokenizer = FileTokenizer(str(tmp_path / "tokenizer.json"))
+    text = "a question about the weather " * 20
+    assert tokenizer.count(text, 4096) == tokenizer.count(text) == len(tokenizer.encode(text))
+    assert tokenizer.count("d" * 10_000_000, 4096) > 4096
+    assert "d" * 10_000_000 not in tokenizer._cache  # refused on its length, never tokenized
+
+
 def test_timing_histograms_and_a_speed_change_through_the_control_endpoint(sim):
     client = openai.OpenAI(base_url=sim + "/v1", api_key="none")
     client.completions.create(model="sql-lora", prompt="Is the Necronomicon in the movie?", max_tokens=5)

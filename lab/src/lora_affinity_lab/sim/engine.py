@@ -307,18 +307,21 @@ class ReplicaEngine:
                 self._emit(seq, now, result)
             return result
         emitted = len(result.tokens)
+        block_size = self.config.block_size
+        preempted: set[int] = set()  # the batch's requests preempted by this step (the only ones it takes out)
         for seq in seqs:
-            if seq.aborted or seq not in self.running:
+            if seq.aborted or id(seq) in preempted:
                 continue
-            need = self._blocks_for(seq.context + 1)
-            while need > seq.blocks and self.pool.free < need - seq.blocks:
-                victim = self.running[-1]  # the newest running request is preempted
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.aborted or seq not in self.running:
-                continue
+            need = -(-(seq.prompt_tokens + seq.generated + 1) // block_size)  # the blocks for one more token
             if need > seq.blocks:
+                while self.pool.free < need - seq.blocks:
+                    victim = self.running[-1]  # the newest running request is preempted
+                    self._preempt(victim)
+                    preempted.add(id(victim))
+                    if victim is seq:
+                        break
+                if id(seq) in preempted:
+                    continue
                 self.pool.grow(need - seq.blocks)
                 seq.blocks = need
             self._emit(seq, now, result)
@@ -333,7 +336,7 @@ class ReplicaEngine:
             seq.first_token_at = now
             self.ttft.observe(max(0.0, now - (seq.queued_at if seq.queued_at is not None else now)))
         result.tokens.append(seq)
-        if seq.done:
+        if seq.generated >= seq.target_tokens:  # (`done`, inline: once per token of every simulated run)
             seq.finished_at = now
             self.running.remove(seq)
             self._free(seq, self._reply_blocks(seq))

@@ -41,7 +41,7 @@ class ByteTokenizer:
 
     name = "bytes3"
 
-    def count(self, text: str) -> int:
+    def count(self, text: str, limit: int | None = None) -> int:
         return count_tokens(text)
 
     def block_hashes(self, text: str, adapter: str | None, salt: str | None, block_size: int) -> tuple[int, ...]:
@@ -69,6 +69,8 @@ class FileTokenizer:
         self.name = path
         self._tokenizer = Tokenizer.from_file(path)
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        # A token covers at most this many bytes of UTF-8 (byte-level BPE): bounds a prompt's count from below.
+        self._longest = max(len(token.encode()) for token in self._tokenizer.get_vocab()) or 1
 
     def encode(self, text: str) -> list[int]:
         ids = self._cache.get(text)
@@ -78,7 +80,13 @@ class FileTokenizer:
                 self._cache.popitem(last=False)
         return ids
 
-    def count(self, text: str) -> int:
+    def count(self, text: str, limit: int | None = None) -> int:
+        """The prompt's tokens; past `limit`, at least that many. A prompt that cannot fit is not tokenized: 10 MB
+        of one character took 10 s of CPU, for an answer (HTTP 400) its length alone gives."""
+        if limit is not None:
+            at_least = -(-len(text.encode()) // self._longest)
+            if at_least > limit:
+                return at_least
         return max(1, len(self.encode(text)))
 
     def block_tokens(self, text: str, block_size: int, reply: str = "") -> list[tuple[int, ...]]:

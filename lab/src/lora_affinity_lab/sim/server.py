@@ -212,8 +212,8 @@ def make_app(replica: LiveReplica, base_model: str, metrics_token: str | None = 
             return error(400, "cache_salt: Input should be a valid string")
         text = prompt_text(body)
         tokenizer = replica.engine.tokenizer
-        prompt_tokens = tokenizer.count(text)
         limit = replica.engine.config.max_model_len
+        prompt_tokens = tokenizer.count(text, limit)
         if prompt_tokens + max_tokens > limit:
             return error(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
