@@ -62,8 +62,8 @@ class PromptRequest:
 
 
 def text(rng: random.Random, tokens: int) -> str:
-    """Words drawn as `rng.choice(_WORDS)` draws them, one `getrandbits` at a time (the same words, a third of
-    the time: documents' texts are most of a fast run's work)."""
+    """Words drawn as `rng.choice(_WORDS)` draws them, one `getrandbits` at a time: the same words in a third of
+    the time (documents' texts were a quarter of a fast run's work)."""
     draw, count = rng.getrandbits, len(_WORDS)
     bits = count.bit_length()
     words, size, limit = [], 0, tokens * CHARS_PER_TOKEN
