@@ -307,12 +307,11 @@ class ReplicaEngine:
                 self._emit(seq, now, result)
             return result
         emitted = len(result.tokens)
-        block_size = self.config.block_size
         preempted: set[int] = set()  # the batch's requests preempted by this step (the only ones it takes out)
         for seq in seqs:
             if seq.aborted or id(seq) in preempted:
                 continue
-            need = -(-(seq.prompt_tokens + seq.generated + 1) // block_size)  # the blocks for one more token
+            need = self._blocks_for(seq.context + 1)
             if need > seq.blocks:
                 while self.pool.free < need - seq.blocks:
                     victim = self.running[-1]  # the newest running request is preempted
@@ -336,7 +335,7 @@ class ReplicaEngine:
             seq.first_token_at = now
             self.ttft.observe(max(0.0, now - (seq.queued_at if seq.queued_at is not None else now)))
         result.tokens.append(seq)
-        if seq.generated >= seq.target_tokens:  # (`done`, inline: once per token of every simulated run)
+        if seq.done:
             seq.finished_at = now
             self.running.remove(seq)
             self._free(seq, self._reply_blocks(seq))
