@@ -157,6 +157,7 @@ def test_a_tokenizer_file_counts_exactly_what_fits_and_bounds_what_cannot(tmp_pa
     assert tokenizer.count(text, 4096) == tokenizer.count(text) == len(tokenizer.encode(text))
     assert tokenizer.count("d" * 10_000_000, 4096) > 4096
     assert "d" * 10_000_000 not in tokenizer._cache  # refused on its length, never tokenized
+    assert tokenizer.count("\ud800" * 20_000, 4096) > 4096  # a lone surrogate, as JSON may carry, is bounded too
 
 
 def test_timing_histograms_and_a_speed_change_through_the_control_endpoint(sim):

@@ -70,7 +70,7 @@ class FileTokenizer:
         self._tokenizer = Tokenizer.from_file(path)
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         # A token covers at most this many bytes of UTF-8 (byte-level BPE): bounds a prompt's count from below.
-        self._longest = max(len(token.encode()) for token in self._tokenizer.get_vocab()) or 1
+        self._longest = max(len(_encode(token)) for token in self._tokenizer.get_vocab()) or 1
 
     def encode(self, text: str) -> list[int]:
         ids = self._cache.get(text)
@@ -84,7 +84,7 @@ class FileTokenizer:
         """The prompt's tokens; past `limit`, at least that many. A prompt that cannot fit is not tokenized: 10 MB
         of one character took 10 s of CPU, for an answer (HTTP 400) its length alone gives."""
         if limit is not None:
-            at_least = -(-len(text.encode()) // self._longest)
+            at_least = -(-len(_encode(text)) // self._longest)
             if at_least > limit:
                 return at_least
         return max(1, len(self.encode(text)))
