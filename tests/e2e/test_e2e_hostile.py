@@ -61,8 +61,10 @@ def metrics_page(base: str) -> str:
                      follow_redirects=True).text
 
 
-def plugin_counter(base: str, name: str) -> float:
-    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)", metrics_page(base), re.M))
+def plugin_counter(base: str, name: str, page: str | None = None) -> float:
+    """A series' value summed over its labels, from `page` or a fresh read of the proxy's metrics."""
+    page = metrics_page(base) if page is None else page
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)", page, re.M))
 
 
 def chat(content, **extra) -> dict:
@@ -131,9 +133,10 @@ BOUNDED_TIMES = 40
 
 
 def _decision_time(base: str) -> tuple[float, float]:
-    """The plugin's decision-time histogram's sum (seconds) and count."""
-    return (plugin_counter(base, "lora_affinity_decision_seconds_sum"),
-            plugin_counter(base, "lora_affinity_decision_seconds_count"))
+    """The plugin's decision-time histogram's sum (seconds) and count, from one read of the metrics."""
+    page = metrics_page(base)
+    return (plugin_counter(base, "lora_affinity_decision_seconds_sum", page),
+            plugin_counter(base, "lora_affinity_decision_seconds_count", page))
 
 
 def _mean(before: tuple[float, float], after: tuple[float, float]) -> float:
