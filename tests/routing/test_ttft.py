@@ -6,7 +6,15 @@ import random
 from lora_affinity_plugin.routing.podstate import PodRates
 from lora_affinity_plugin.routing.scheduling import Candidate, RouteRequest, choose_pod
 from lora_affinity_plugin.config.settings import build_settings
-from lora_affinity_plugin.routing.ttft import COLD_ADAPTER_S, ROOM_GENERATIONS, predict, slots_in_use
+from lora_affinity_plugin.routing.cost import expected_step_s
+from lora_affinity_plugin.routing.ttft import (
+    COLD_ADAPTER_S,
+    GENERATION_SHARE,
+    ROOM_GENERATIONS,
+    predict,
+    predictions,
+    slots_in_use,
+)
 
 RATES = PodRates(prefill_factor=1.0, decode_step_s=0.08, queue_s_per_request=0.5, mean_output_tokens=100,
                  learned=True)
@@ -130,8 +138,9 @@ def test_an_adapter_not_run_lately_loads_from_disk_only_when_the_fleet_serves_mo
     busy = pod(waiting=3)
     assert predict(busy, many, TPB, 0, residency_memory=2).adapter_s == (
         predict(busy, few, TPB, 0, residency_memory=2).adapter_s + COLD_ADAPTER_S)
-    # ... and its queue waits through the load too (vLLM loads within a step)
-    assert predict(busy, many, TPB, 0).harm_s == predict(busy, few, TPB, 0).harm_s + 3 * COLD_ADAPTER_S
+    # ... its queue waits through the load too (vLLM loads within a step), and the adapter it evicts from the pod's
+    # memory loads from disk in turn
+    assert predict(busy, many, TPB, 0).harm_s == predict(busy, few, TPB, 0).harm_s + (3 + 1) * COLD_ADAPTER_S
     # a pod that ran it lately still holds it, however many the fleet serves
     assert predict(pod(waiting=3, resident=("b",)), many, TPB, 0).adapter_s == 0
 
@@ -140,3 +149,24 @@ def test_room_counts_only_the_queue_ahead_of_the_request_when_its_adapter_runs_p
     crowded = pod(waiting=6, running=2, adapters=("a", "b", "c", "d"), free=1_000, size=8_000)
     mine, other = RouteRequest("a", prefix_blocks=10), RouteRequest("e", prefix_blocks=10)
     assert predict(crowded, mine, TPB, 0).room_s < predict(crowded, other, TPB, 0).room_s
+
+
+def test_half_the_requests_own_generation_counts_at_the_pods_batch_as_it_stands():
+    request = RouteRequest("a", prefix_blocks=10)  # 160 tokens
+    small, large = pod("small", running=2, free=9_000, size=10_000), pod("large", running=30, free=1_000, size=10_000)
+    expected = GENERATION_SHARE * expected_step_s(2 + 1, 1_000 + 160 + 50) * 100
+    assert abs(predict(small, request, TPB, 0).generation_s - expected) < 1e-9
+    assert predict(large, request, TPB, 0).generation_s > predict(small, request, TPB, 0).generation_s
+    # a holder whose batch grew large gives the request to a pod that decodes it sooner, though it adds an adapter
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    crowded, idle = pod("crowded", running=40, free=500, size=40_000, max_lora=4), pod(
+        "idle", running=2, adapters=("b",), free=38_000, size=40_000, max_lora=4)
+    assert choose_pod([crowded, idle], request, settings, random.Random(0)).pod == "idle"
+    holder = pod("holder", running=2, free=38_000, size=40_000, max_lora=4)  # with a batch like the other's, it keeps it
+    alike = predictions([holder, idle], request, settings)
+    assert alike["holder"].generation_s == alike["idle"].generation_s and alike["holder"].total_s < alike["idle"].total_s
+    # the answer's length is the candidates' mean, so one pod's rate does not tip it
+    slow_rate = PodRates(prefill_factor=1.0, decode_step_s=0.08, queue_s_per_request=0.5, mean_output_tokens=300,
+                         learned=True)
+    both = predictions([small, pod("other", running=2, free=9_000, size=10_000, rates=slow_rate)], request, settings)
+    assert both["small"].generation_s == both["other"].generation_s

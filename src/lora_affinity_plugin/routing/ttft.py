@@ -19,8 +19,15 @@ each term by hand (docs/routing.md, "The predicted time to first token"):
   shortfall waits about a generation for the first running request to end, then a generation more for each
   cache's worth of tokens.
 - ``prefill``: computing what the pod does not hold, at the pod's learned prefill speed.
+- ``generation``: not part of the wait, but what the request then takes to decode there, counted at half: its answer
+  (the candidates' mean output) at the pod's decode step with its batch as it stands (the requests running and
+  waiting there, their KV cache, and this one; `cost.expected_step_s` times the pod's learned decode factor). The
+  requests it joins end, on average, halfway through its answer. Without it a pod whose adapter or prefix a
+  request finds drew every such request however large its batch grew (a hot adapter's two pods ran 30 requests
+  each while four others ran 4-8), though every request there then decodes slower.
 - ``harm``: not part of the wait, but of what the choice costs the fleet, in the same seconds: a load from disk
-  holds every request queued there for as long (vLLM loads within a step); a new adapter in a
+  holds every request queued there for as long (vLLM loads within a step), and evicts the adapter the pod ran
+  least lately from its memory, whose next request there loads from disk in turn; a new adapter in a
   batch slows every running request's decode steps and takes a LoRA slot another adapter's next request may then
   wait for (half a generation, times the share of the pod's slots already taken, squared while the fleet's slots
   are plentiful); a second copy of a prefix another pod
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s
+from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s, expected_step_s
 from .decision import Candidate, RouteRequest, RuleSettings
 from .podstate import PREFILL_S_PER_TOKEN
 
@@ -48,6 +55,9 @@ run it lately while the fleet serves more adapters than a pod keeps at hand (`Se
 slots, as vLLM's CPU cache does by default)."""
 ROOM_GENERATIONS = 4.0
 """The room term's bound, in generations: past it the estimate says little but "much later"."""
+GENERATION_SHARE = 0.5
+"""How much of the request's own generation the estimate counts: the batch it joins lasts about half of it. At
+the whole of it the estimate moved requests off their adapters' pods for small batches (docs/tried.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +70,8 @@ class Prediction:
     prefill_s: float
     harm_s: float
     uncached_tokens: int
+    generation_s: float = 0.0
+    """The share of its own generation there that the estimate counts (`GENERATION_SHARE`)."""
 
     @property
     def ttft_s(self) -> float:
@@ -67,12 +79,12 @@ class Prediction:
 
     @property
     def total_s(self) -> float:
-        return self.ttft_s + self.harm_s
+        return self.ttft_s + self.generation_s + self.harm_s
 
     def describe(self) -> str:
         return (f"{self.total_s:.3f} s = adapter {self.adapter_s:.3f} + queue {self.queue_s:.3f} + room "
-                f"{self.room_s:.3f} + prefill {self.prefill_s:.3f} ({self.uncached_tokens} uncached tokens)"
-                + (f" + harm {self.harm_s:.3f}" if self.harm_s else ""))
+                f"{self.room_s:.3f} + prefill {self.prefill_s:.3f} ({self.uncached_tokens} uncached tokens) "
+                f"+ generation {self.generation_s:.3f}" + (f" + harm {self.harm_s:.3f}" if self.harm_s else ""))
 
 
 def slots_in_use(pods: list[Candidate]) -> float:
@@ -86,15 +98,18 @@ def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSett
     per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
     best_match = max(request.prefix_matches.values(), default=0)
     scarce = request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
-    return {p.key: predict(p, request, per_block, best_match, scarce, settings.residency_memory) for p in pods}
+    output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None
+    return {p.key: predict(p, request, per_block, best_match, scarce, settings.residency_memory, output) for p in pods}
 
 
 def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int,
-            slots_scarce: bool = False, residency_memory: int = 2) -> Prediction:
+            slots_scarce: bool = False, residency_memory: int = 2, output_tokens: float | None = None) -> Prediction:
     """The request's predicted first token on `p` (the module's docstring says why each term). `slots_scarce`:
     most of the fleet's LoRA slots are taken, so every slot taken is one another adapter is likely to wait for
     (the slot term then grows with the pod's share of slots in use, not its square). `residency_memory`: how many
-    times its slots the pod's remembered adapters may number (`Settings.residency_memory`)."""
+    times its slots the pod's remembered adapters may number (`Settings.residency_memory`). `output_tokens`: the
+    answer's expected length, alike on every candidate (the candidates' mean; the pod's own when None), so one
+    pod's noisier rate does not move the generation term."""
     rates = p.rates
     held = request.prefix_matches.get(p.key, 0)
     uncached = max(0.0, (request.prefix_blocks - held) * tokens_per_block)
@@ -107,9 +122,10 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
             adapter_s = ADAPTER_LOAD_S
             if p.max_lora and request.served_adapters > residency_memory * p.max_lora:
                 # The fleet serves more adapters than a pod keeps at hand: one it has not run lately is on disk.
-                # vLLM loads it within a step, so the queue there waits for it too.
+                # vLLM loads it within a step, so the queue there waits for it too; and it evicts the adapter
+                # the pod ran least lately, whose next request there loads from disk in turn.
                 adapter_s += COLD_ADAPTER_S
-                harm_s = min(p.reported_waiting, p.waiting) * COLD_ADAPTER_S
+                harm_s = (min(p.reported_waiting, p.waiting) + 1) * COLD_ADAPTER_S
         if not p.has_free_slot():  # after the adapters already waiting for a slot there, max_lora at a time
             waiting_adapters = max(0, len(p.active_adapters) - p.max_lora)
             adapter_s += (1 + waiting_adapters / p.max_lora) * generation_s / 2
@@ -143,7 +159,13 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
             room_s = min(ROOM_GENERATIONS, 1.0 + shortfall / used) * generation_s
 
+    output = output_tokens if output_tokens is not None else rates.mean_output_tokens
+    kv_used = size - free if free is not None and size else 0.0
+    prompt_tokens = request.prefix_blocks * tokens_per_block
+    step_s = rates.decode_factor * expected_step_s(p.running + p.waiting + 1, kv_used + prompt_tokens + output / 2)
+    generation = GENERATION_SHARE * step_s * output
+
     best_extra = max(0, best_match - held) * tokens_per_block
     if best_extra > 0:
         harm_s += copy_harm_s(rates, best_extra)
-    return Prediction(adapter_s, queue_s, room_s, rates.prefill_s(uncached), harm_s, int(uncached))
+    return Prediction(adapter_s, queue_s, room_s, rates.prefill_s(uncached), harm_s, int(uncached), generation)
