@@ -170,3 +170,22 @@ def test_half_the_requests_own_generation_counts_at_the_pods_batch_as_it_stands(
                          learned=True)
     both = predictions([small, pod("other", running=2, free=9_000, size=10_000, rates=slow_rate)], request, settings)
     assert both["small"].generation_s == both["other"].generation_s
+
+
+def test_while_slots_are_scarce_equals_go_where_fewest_adapters_contend_for_them():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    # every slot taken; both pods run the request's adapter, so the estimate finds them equal, but three other
+    # adapters contend for one pod's slots and two for the other's
+    crowded = pod("crowded", running=2, adapters=("x", "a", "b", "c"))
+    fewer = pod("fewer", running=2, adapters=("x", "e", "f"))
+    predicted = predictions([crowded, fewer], RouteRequest("x"), settings)
+    assert predicted["crowded"].total_s == predicted["fewer"].total_s
+    picks = {choose_pod([crowded, fewer], RouteRequest("x", placement_key=k), settings, random.Random(0)).pod
+             for k in range(40)}
+    assert picks == {"fewer"}
+    decision = choose_pod([crowded, fewer], RouteRequest("x", placement_key=1), settings, random.Random(0), explain=True)
+    assert [step[0] for step in decision.trace][:3] == ["prefix_affinity_ttft", "predicted_ttft", "fewest_slot_contenders"]
+    # with slots free it has no say: rendezvous rank decides between the same pods
+    roomy = [pod("crowded", running=2, adapters=("x", "a"), max_lora=8), pod("fewer", running=2, adapters=("x",), max_lora=8)]
+    picks = {choose_pod(roomy, RouteRequest("x", placement_key=k), settings, random.Random(0)).pod for k in range(40)}
+    assert picks == {"crowded", "fewer"}

@@ -70,6 +70,7 @@ from .scorers import (
     DynamoCost,
     FewestAdapters,
     FewestPrefixes,
+    FewestSlotContenders,
     HistoryMatch,
     KvScore,
     LeastCost,
@@ -201,9 +202,11 @@ SGLANG_CACHE_AWARE: list[Part] = [
 ]
 """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
 
-PREDICTED_TTFT: list[Part] = [PrefixAffinityTtft(), PredictedTtft(), FewestPrefixes(), LeastLoad(), PickAgreed("predicted_ttft")]
+PREDICTED_TTFT: list[Part] = [PrefixAffinityTtft(), PredictedTtft(), FewestSlotContenders(), FewestPrefixes(), LeastLoad(),
+                              PickAgreed("predicted_ttft")]
 """One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included;
-among equals the least load band, then rendezvous rank, so gateways agree without talking."""
+among equals, while LoRA slots are scarce the pods with the fewest adapters contending for them, then the caches
+holding least, the least load band, then rendezvous rank, so gateways agree without talking."""
 
 LLMD_WEIGHTS: list[Part] = [Weighted({PrefixScore(): 3.0, KvScore(): 2.0, QueueScore(): 2.0}), Pick("llmd_weights")]
 """llm-d's current built-in weights: prefix 3, KV use 2, queue 2."""

@@ -14,7 +14,7 @@ from .placement import (
     least_band_int,
     tokens_per_block,
 )
-from .ttft import predictions
+from .ttft import SCARCE_SLOTS, predictions, slots_in_use
 
 
 class _CountBand(Scorer):
@@ -121,6 +121,19 @@ class FewestAdapters(Scorer):
     name = "fewest_adapters"
 
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        return [len(p.active_adapters) for p in pods]
+
+
+class FewestSlotContenders(Scorer):
+    """While most of the candidates' LoRA slots are taken, an adapter's request, among pods the estimate finds
+    equal, goes where the fewest distinct adapters run or wait: each is one more contender for that pod's slots,
+    and vLLM runs an adapter only while it holds one. No effect otherwise (every pod scores alike)."""
+
+    name = "fewest_slot_contenders"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        if run.request.adapter is None or slots_in_use(pods) < SCARCE_SLOTS:
+            return [0.0] * len(pods)
         return [len(p.active_adapters) for p in pods]
 
 
