@@ -189,3 +189,24 @@ def test_while_slots_are_scarce_equals_go_where_fewest_adapters_contend_for_them
     roomy = [pod("crowded", running=2, adapters=("x", "a"), max_lora=8), pod("fewer", running=2, adapters=("x",), max_lora=8)]
     picks = {choose_pod(roomy, RouteRequest("x", placement_key=k), settings, random.Random(0)).pod for k in range(40)}
     assert picks == {"crowded", "fewer"}
+
+
+def test_a_hot_prefix_gains_a_second_holder_with_room_that_finishes_it_much_sooner():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    request = RouteRequest(None, prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7)  # 320 tokens
+    # no queue, so never far busier by the count rule, but 40 running requests: each decode step there is long
+    crowded = pod("holder", running=40, free=2_000, size=40_000)
+    roomy = pod("other", running=2, free=38_000, size=40_000)
+    assert choose_pod([crowded, roomy], request, settings, random.Random(1)).pod == "other"
+    # ... not where the copy would evict prefixes known cached there (37,900 of its free tokens)
+    known = RouteRequest(None, prefix_blocks=20, prefix_matches={"holder": 20}, prefix_sizes={"other": 2_370},
+                         placement_key=7)
+    assert choose_pod([crowded, roomy], known, settings, random.Random(1)).pod == "holder"
+    # ... nor while the holder finishes it about as soon
+    alike = pod("holder", running=6, free=34_000, size=40_000)
+    assert choose_pod([alike, roomy], request, settings, random.Random(1)).pod == "holder"
+    # ... nor for an adapter's request while most LoRA slots are taken
+    scarce = RouteRequest("a", prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7)
+    busy_slots = [pod("holder", running=40, free=2_000, size=40_000, adapters=("a", "b")),
+                  pod("other", running=2, free=38_000, size=40_000, adapters=("c", "d"))]
+    assert choose_pod(busy_slots, scarce, settings, random.Random(1)).pod == "holder"

@@ -17,7 +17,12 @@ from .placement import (
     tokens_per_block,
     warm_pods,
 )
-from .ttft import STICKY_MARGIN_S, predictions
+from .ttft import SCARCE_SLOTS, STICKY_MARGIN_S, predictions, slots_in_use
+
+SECOND_HOLDER_MARGIN_S = 3.0
+"""How much sooner (first token plus the generation term) a pod with room for a copy must finish a small prompt than
+its holders before it becomes a second holder (`PrefixAffinityTtft`). At 1 s shared system prompts spread and
+queued; at 3 s they stay while a hot adapter's instruction gains a second pod (docs/tried.md)."""
 
 
 class LowQueue(Filter):
@@ -209,7 +214,8 @@ class PrefixAffinityTtft(Filter):
     conversation's next turn and each of them reported a queue; a larger one (a document), while the best of them
     would start it at most `STICKY_MARGIN_S` later than the best other pod (llm-d's prefix-affinity filter, on the
     predicted time to first token). A second copy of a prefix costs the fleet KV room that no single request's
-    estimate sees; a document's copy is worth it sooner, since few of them fit a cache at once."""
+    estimate sees; a document's copy is worth it sooner, since few of them fit a cache at once. A small prompt's
+    prefix gains a second holder when one has room for it and would finish it much sooner (`_second_holder`)."""
 
     name = "prefix_affinity_ttft"
 
@@ -229,6 +235,8 @@ class PrefixAffinityTtft(Filter):
         small = [p for p in holders if not p.kv_cache_tokens or prompt < LARGE_PROMPT_SHARE * p.kv_cache_tokens]
         if small:  # a small prompt: its holders keep it while not far busier (a copy costs more than a queue)...
             kept = not_far_busier(pods, settings, among=small)
+            if kept:
+                kept += _second_holder(pods, holders, kept, run)
             if kept and not (request.later_turn and all(p.reported_waiting for p in kept)):
                 return kept  # ...unless it is a conversation's next turn and every one of them queues
         predicted = predictions(pods, request, settings)
@@ -236,6 +244,33 @@ class PrefixAffinityTtft(Filter):
         if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
             return holders
         return pods
+
+
+def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[Candidate],
+                   run: DecisionRun) -> list[Candidate]:
+    """The pod that becomes a small prompt's second holder, if any: one that has room for a copy without evicting a
+    prefix known cached there, and would finish the request (first token plus the generation term) more than
+    `SECOND_HOLDER_MARGIN_S` sooner than the best holder kept. A hot prefix's holders draw every request that
+    carries it while they report no queue, however large their batches grow (a hot adapter's instruction: two pods
+    at 30 running requests, another at 5). Not an adapter's request while LoRA slots are scarce: a second holder
+    there is one more contender for a pod's slots."""
+    request, settings = run.request, run.settings
+    if request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS:
+        return []
+    per_block = tokens_per_block(settings)
+    prompt = request.prefix_blocks * per_block
+    holding = {p.key for p in holders}
+    known = request.prefix_sizes
+    roomy = [p for p in pods if p.key not in holding and p.kv_free_tokens is not None
+             and p.kv_free_tokens - known.get(p.key, 0) * per_block >= prompt]
+    if not roomy:
+        return []
+    predicted = predictions(pods, request, settings)
+    finish = {p.key: predicted[p.key].ttft_s + predicted[p.key].generation_s for p in pods}
+    best = min(finish[p.key] for p in roomy)
+    if min(finish[p.key] for p in kept) <= best + SECOND_HOLDER_MARGIN_S:
+        return []
+    return [p for p in roomy if finish[p.key] == best]
 
 
 # --- the peers' filters, as references ------------------------------------------------------------
