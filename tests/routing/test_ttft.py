@@ -1,8 +1,11 @@
 """The predicted time to first token (`ttft.py`): each term moves with what it says, and the `predicted-ttft`
 rule set picks the least total, alike on every gateway."""
 
+import math
 import random
 
+from hypothesis import HealthCheck, given, settings as hypothesis_settings
+from hypothesis import strategies as st
 from lora_affinity_plugin.routing.podstate import PodRates
 from lora_affinity_plugin.routing.scheduling import Candidate, RouteRequest, choose_pod
 from lora_affinity_plugin.config.settings import build_settings
@@ -210,3 +213,41 @@ def test_a_hot_prefix_gains_a_second_holder_with_room_that_finishes_it_much_soon
     busy_slots = [pod("holder", running=40, free=2_000, size=40_000, adapters=("a", "b")),
                   pod("other", running=2, free=38_000, size=40_000, adapters=("c", "d"))]
     assert choose_pod(busy_slots, scarce, settings, random.Random(1)).pod == "holder"
+
+
+_ADAPTERS = st.sampled_from(["a", "b", "c", "d", "e"])
+_RATES = st.builds(lambda *v: PodRates.bounded(True, prefill_factor=v[0], decode_step_s=v[1], queue_s_per_request=v[2],
+                                                mean_output_tokens=v[3], decode_factor=v[4]),
+                   *[st.one_of(st.just(math.nan), st.floats(min_value=-1e9, max_value=1e9))] * 5)
+
+
+@st.composite
+def _candidates(draw):
+    keys = draw(st.lists(st.sampled_from([f"p{i}" for i in range(8)]), min_size=1, max_size=8, unique=True))
+    pods = []
+    for key in keys:
+        size = draw(st.one_of(st.none(), st.integers(1, 2_000_000)))
+        free = None if size is None else draw(st.one_of(st.none(), st.integers(0, 2 * size)))
+        waiting = draw(st.integers(0, 500))
+        active, resident = (frozenset(draw(st.lists(_ADAPTERS, max_size=5))) for _ in range(2))
+        pods.append(Candidate(key, waiting, draw(st.integers(0, 500)), draw(st.floats(0, 1)), active, resident,
+                              draw(st.one_of(st.none(), st.integers(1, 8))),
+                              reported_waiting=draw(st.integers(0, waiting)), rates=draw(_RATES),
+                              kv_free_tokens=free, kv_cache_tokens=size))
+    return pods
+
+
+@hypothesis_settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_candidates(), st.one_of(st.none(), _ADAPTERS), st.integers(0, 5_000), st.data())
+def test_any_fleet_and_request_get_a_finite_prediction_and_a_pick_among_the_candidates(pods, adapter, blocks, data):
+    """What the new terms read (batch sizes, KV free and size, learned rates at their bounds, prefixes known cached
+    anywhere) cannot make the estimate raise or leave the candidates."""
+    keys = [p.key for p in pods]
+    matches = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, blocks)))
+    sizes = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, 10**7)))
+    request = RouteRequest(adapter, prefix_blocks=blocks, prefix_matches=matches, prefix_sizes=sizes,
+                           served_adapters=data.draw(st.integers(0, 64)), placement_key=data.draw(st.integers(0, 2**32)))
+    rule_settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    for t in predictions(pods, request, rule_settings).values():
+        assert math.isfinite(t.total_s) and t.total_s >= 0 and t.generation_s > 0
+    assert choose_pod(pods, request, rule_settings, random.Random(0)).pod in keys

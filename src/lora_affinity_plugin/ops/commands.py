@@ -375,7 +375,8 @@ def run_explain(args: argparse.Namespace) -> int:
     data["predictions"] = {pod: {"total_s": round(t.total_s, 4), "ttft_s": round(t.ttft_s, 4),
                                  "adapter_s": round(t.adapter_s, 4), "queue_s": round(t.queue_s, 4),
                                  "room_s": round(t.room_s, 4), "prefill_s": round(t.prefill_s, 4),
-                                 "generation_s": round(t.generation_s, 4), "harm_s": round(t.harm_s, 4), "uncached_tokens": t.uncached_tokens}
+                                 "generation_s": round(t.generation_s, 4), "harm_s": round(t.harm_s, 4),
+                                 "uncached_tokens": t.uncached_tokens}
                            for pod, t in predicted.items()}
     lines.append("  predicted time to first token (the predicted-ttft rule set's terms):")
     lines += [f"    {pod}: {t.describe()}" for pod, t in predicted.items()]
