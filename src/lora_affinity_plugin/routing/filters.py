@@ -17,7 +17,7 @@ from .placement import (
     tokens_per_block,
     warm_pods,
 )
-from .ttft import SCARCE_SLOTS, STICKY_MARGIN_S, predictions, slots_in_use
+from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, predictions
 
 SECOND_HOLDER_MARGIN_S = 3.0
 """How much sooner (first token plus the generation term) a pod with room for a copy must finish a small prompt than
@@ -236,7 +236,7 @@ class PrefixAffinityTtft(Filter):
         if small:  # a small prompt: its holders keep it while not far busier (a copy costs more than a queue)...
             kept = not_far_busier(pods, settings, among=small)
             if kept:
-                kept += _second_holder(pods, holders, kept, run)
+                kept += _second_holder(pods, holders, kept, run, prompt, per_block)
             if kept and not (request.later_turn and all(p.reported_waiting for p in kept)):
                 return kept  # ...unless it is a conversation's next turn and every one of them queues
         predicted = predictions(pods, request, settings)
@@ -246,26 +246,24 @@ class PrefixAffinityTtft(Filter):
         return pods
 
 
-def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[Candidate],
-                   run: DecisionRun) -> list[Candidate]:
+def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[Candidate], run: DecisionRun,
+                   prompt: float, per_block: float) -> list[Candidate]:
     """The pod that becomes a small prompt's second holder, if any: one that has room for a copy without evicting a
     prefix known cached there, and would finish the request (first token plus the generation term) more than
     `SECOND_HOLDER_MARGIN_S` sooner than the best holder kept. A hot prefix's holders draw every request that
     carries it while they report no queue, however large their batches grow (a hot adapter's instruction: two pods
     at 30 running requests, another at 5). Not an adapter's request while LoRA slots are scarce: a second holder
-    there is one more contender for a pod's slots."""
-    request, settings = run.request, run.settings
-    if request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS:
+    there is one more contender for a pod's slots. `prompt`: its tokens; `per_block`: tokens per prefix block."""
+    request = run.request
+    if adapter_slots_scarce(pods, request):
         return []
-    per_block = tokens_per_block(settings)
-    prompt = request.prefix_blocks * per_block
     holding = {p.key for p in holders}
     known = request.prefix_sizes
     roomy = [p for p in pods if p.key not in holding and p.kv_free_tokens is not None
              and p.kv_free_tokens - known.get(p.key, 0) * per_block >= prompt]
     if not roomy:
         return []
-    predicted = predictions(pods, request, settings)
+    predicted = predictions(pods, request, run.settings)
     finish = {p.key: predicted[p.key].ttft_s + predicted[p.key].generation_s for p in pods}
     best = min(finish[p.key] for p in roomy)
     if min(finish[p.key] for p in kept) <= best + SECOND_HOLDER_MARGIN_S:

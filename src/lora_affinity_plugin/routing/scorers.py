@@ -14,7 +14,7 @@ from .placement import (
     least_band_int,
     tokens_per_block,
 )
-from .ttft import SCARCE_SLOTS, predictions, slots_in_use
+from .ttft import adapter_slots_scarce, predictions
 
 
 class _CountBand(Scorer):
@@ -124,7 +124,7 @@ class FewestAdapters(Scorer):
         return [len(p.active_adapters) for p in pods]
 
 
-class FewestSlotContenders(Scorer):
+class FewestSlotContenders(FewestAdapters):
     """While most of the candidates' LoRA slots are taken, an adapter's request, among pods the estimate finds
     equal, goes where the fewest distinct adapters run or wait: each is one more contender for that pod's slots,
     and vLLM runs an adapter only while it holds one. No effect otherwise (every pod scores alike)."""
@@ -132,9 +132,9 @@ class FewestSlotContenders(Scorer):
     name = "fewest_slot_contenders"
 
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
-        if run.request.adapter is None or slots_in_use(pods) < SCARCE_SLOTS:
+        if not adapter_slots_scarce(pods, run.request):
             return [0.0] * len(pods)
-        return [len(p.active_adapters) for p in pods]
+        return super().costs(pods, run)
 
 
 # --- the peers' scorers, as references ------------------------------------------------------------

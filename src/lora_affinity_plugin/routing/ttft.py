@@ -87,6 +87,12 @@ class Prediction:
                 f"+ generation {self.generation_s:.3f}" + (f" + harm {self.harm_s:.3f}" if self.harm_s else ""))
 
 
+def adapter_slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:
+    """An adapter's request while `SCARCE_SLOTS` of the pods' LoRA slots are in use: each slot it takes is one another
+    adapter is likely to wait for."""
+    return request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
+
+
 def slots_in_use(pods: list[Candidate]) -> float:
     """The share of the pods' LoRA slots their active adapters take (0 when no pod says how many it has)."""
     slots = sum(p.max_lora or 0 for p in pods)
@@ -97,7 +103,7 @@ def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSett
     """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
     per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
     best_match = max(request.prefix_matches.values(), default=0)
-    scarce = request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
+    scarce = adapter_slots_scarce(pods, request)
     output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None
     return {p.key: predict(p, request, per_block, best_match, scarce, settings.residency_memory, output) for p in pods}
 
@@ -112,6 +118,7 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
     pod's noisier rate does not move the generation term."""
     rates = p.rates
     held = request.prefix_matches.get(p.key, 0)
+    prompt = request.prefix_blocks * tokens_per_block
     uncached = max(0.0, (request.prefix_blocks - held) * tokens_per_block)
     generation_s = rates.decode_step_s * rates.mean_output_tokens
 
@@ -152,7 +159,6 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
         # waiting what a running request holds, or at least this prompt; then its own uncached tokens.
         used = max(size - free, 1.0)
-        prompt = request.prefix_blocks * tokens_per_block
         per_request = max(used / p.running if p.running else 0.0, prompt)
         ahead = computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12) + (queued + sent) * per_request
         shortfall = uncached + ahead - free
@@ -161,8 +167,7 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
 
     output = output_tokens if output_tokens is not None else rates.mean_output_tokens
     kv_used = size - free if free is not None and size else 0.0
-    prompt_tokens = request.prefix_blocks * tokens_per_block
-    step_s = rates.decode_factor * expected_step_s(p.running + p.waiting + 1, kv_used + prompt_tokens + output / 2)
+    step_s = rates.decode_factor * expected_step_s(p.running + p.waiting + 1, kv_used + prompt + output / 2)
     generation = GENERATION_SHARE * step_s * output
 
     best_extra = max(0, best_match - held) * tokens_per_block
