@@ -82,7 +82,7 @@ def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals
     picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
     assert len(picks) == 1  # rendezvous rank on the placement key, not chance
     decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][:2] == ["prefix_affinity_ttft", "predicted_ttft"]
+    assert [step[0] for step in decision.trace][:3] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft"]
     assert decision.branch == "predicted_ttft"
 
 
@@ -187,7 +187,8 @@ def test_while_slots_are_scarce_equals_go_where_fewest_adapters_contend_for_them
              for k in range(40)}
     assert picks == {"fewer"}
     decision = choose_pod([crowded, fewer], RouteRequest("x", placement_key=1), settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][:3] == ["prefix_affinity_ttft", "predicted_ttft", "fewest_slot_contenders"]
+    assert [step[0] for step in decision.trace][:4] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft",
+                                                        "fewest_slot_contenders"]
     # with slots free it has no say: rendezvous rank decides between the same pods
     roomy = [pod("crowded", running=2, adapters=("x", "a"), max_lora=8), pod("fewer", running=2, adapters=("x",), max_lora=8)]
     picks = {choose_pod(roomy, RouteRequest("x", placement_key=k), settings, random.Random(0)).pod for k in range(40)}
@@ -213,6 +214,28 @@ def test_a_hot_prefix_gains_a_second_holder_with_room_that_finishes_it_much_soon
     busy_slots = [pod("holder", running=40, free=2_000, size=40_000, adapters=("a", "b")),
                   pod("other", running=2, free=38_000, size=40_000, adapters=("c", "d"))]
     assert choose_pod(busy_slots, scarce, settings, random.Random(1)).pod == "holder"
+
+
+def test_an_apps_new_instructions_go_where_the_caches_hold_least_and_a_document_goes_by_the_estimate():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    # "hot" runs the adapter and the smallest batch: the estimate's pick, but its cache holds four apps already
+    pods = [pod("hot", running=1, adapters=("a",)), pod("p1", running=3, adapters=("b",)),
+            pod("p2", running=3, adapters=("c",))]
+    known = {"hot": 3_000, "p1": 40, "p2": 2_500}
+    new_app = RouteRequest("a", prefix_blocks=20, instructions_blocks=16, prefix_sizes=known, placement_key=7)
+    decision = choose_pod(pods, new_app, settings, random.Random(1), explain=True)
+    assert decision.pod == "p1"
+    assert [step[1] for step in decision.trace if step[0] == "new_instructions"] == [("p1",)]
+    # a prompt mostly of other text (a document after the instructions) is the estimate's to place
+    document = RouteRequest("a", prefix_blocks=60, instructions_blocks=16, prefix_sizes=known, placement_key=7)
+    assert choose_pod(pods, document, settings, random.Random(1)).pod == "hot"
+    # instructions a pod holds already stay with it (the holders' rule)
+    held = RouteRequest("a", prefix_blocks=20, instructions_blocks=16, prefix_matches={"hot": 16},
+                        prefix_sizes=known, placement_key=7)
+    assert choose_pod(pods, held, settings, random.Random(1)).pod == "hot"
+    # a pod far busier than the rest is no place for a new app, however little its cache holds
+    queued = [pods[0], pod("p1", waiting=30, running=12, adapters=("b",)), pods[2]]
+    assert choose_pod(queued, new_app, settings, random.Random(1)).pod == "p2"
 
 
 _ADAPTERS = st.sampled_from(["a", "b", "c", "d", "e"])

@@ -246,6 +246,31 @@ class PrefixAffinityTtft(Filter):
         return pods
 
 
+class NewInstructions(Filter):
+    """A prompt that is mostly an app's instructions no pod holds (its `system` or `developer` first message fills at
+    least half of its prefix blocks) goes where the caches are known to hold the fewest blocks, among the pods not
+    far busier that would start it soonest: the default's placement of an app's new instructions. Every later
+    request of the app matches them and follows them there, so this one choice places the app's traffic for as long
+    as its prefix stays cached. The estimate alone placed each new app by the pods' state of the moment (the
+    adapter running, the smallest batch), and a pod came to hold four apps' instructions and queue while others had
+    room. A prompt mostly of other text (a document after the instructions) is left to the estimate."""
+
+    name = "new_instructions"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        request, settings = run.request, run.settings
+        instructions = request.instructions_blocks
+        if instructions < settings.prefix_min_blocks or 2 * instructions < request.prefix_blocks:
+            return pods
+        matches = request.prefix_matches
+        if matches and max(matches.get(p.key, 0) for p in pods) >= settings.prefix_min_blocks:
+            return pods  # held somewhere: the holders' rule (`PrefixAffinityTtft`) decides
+        roomy = soonest_start(not_far_busier(pods, settings), request, settings)
+        known = [request.prefix_sizes.get(p.key, 0) for p in roomy]
+        edge = least_band_int(known, run.width)
+        return [p for p, blocks in zip(roomy, known) if blocks <= edge]
+
+
 def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[Candidate], run: DecisionRun,
                    prompt: float, per_block: float) -> list[Candidate]:
     """The pod that becomes a small prompt's second holder, if any: one that has room for a copy without evicting a

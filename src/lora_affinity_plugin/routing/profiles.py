@@ -59,6 +59,7 @@ from .filters import (
     LoraSoftAffinity,
     LowCostLora,
     LowQueue,
+    NewInstructions,
     NotFarBusier,
     PrefixAffinityTtft,
     PrefixMatch,
@@ -202,9 +203,10 @@ SGLANG_CACHE_AWARE: list[Part] = [
 ]
 """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
 
-PREDICTED_TTFT: list[Part] = [PrefixAffinityTtft(), PredictedTtft(), FewestSlotContenders(), FewestPrefixes(), LeastLoad(),
-                              PickAgreed("predicted_ttft")]
-"""One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included;
+PREDICTED_TTFT: list[Part] = [PrefixAffinityTtft(), NewInstructions(), PredictedTtft(), FewestSlotContenders(),
+                              FewestPrefixes(), LeastLoad(), PickAgreed("predicted_ttft")]
+"""One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included,
+after the prompt's holders keep it and an app's new instructions are placed for the cache;
 among equals, while LoRA slots are scarce the pods with the fewest adapters contending for them, then the caches
 holding least, the least load band, then rendezvous rank, so gateways agree without talking."""
 
