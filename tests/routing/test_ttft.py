@@ -209,6 +209,12 @@ def test_a_hot_prefix_gains_a_second_holder_with_room_that_finishes_it_much_soon
     # ... nor while the holder finishes it about as soon
     alike = pod("holder", running=6, free=34_000, size=40_000)
     assert choose_pod([alike, roomy], request, settings, random.Random(1)).pod == "holder"
+    # ... nor while its batch is under six times the other's: its full cache slows each step as much, but the
+    # requests sharing one copy of a prompt fit more of them on one pod than on two
+    fuller = pod("holder", running=11, free=2_000, size=40_000)
+    assert choose_pod([fuller, roomy], request, settings, random.Random(1)).pod == "holder"
+    assert choose_pod([pod("holder", running=12, free=2_000, size=40_000), roomy], request, settings,
+                      random.Random(1)).pod == "other"
     # ... nor for an adapter's request while most LoRA slots are taken
     scarce = RouteRequest("a", prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7)
     busy_slots = [pod("holder", running=40, free=2_000, size=40_000, adapters=("a", "b")),

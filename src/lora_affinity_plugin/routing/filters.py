@@ -23,6 +23,10 @@ SECOND_HOLDER_MARGIN_S = 3.0
 """How much sooner (first token plus the generation term) a pod with room for a copy must finish a small prompt than
 its holders before it becomes a second holder (`PrefixAffinityTtft`). At 1 s shared system prompts spread and
 queued; at 3 s they stay while a hot adapter's instruction gains a second pod (docs/tried.md)."""
+SECOND_HOLDER_BATCH_RATIO = 6
+"""...and how many times as many requests as it the holders must run: a hot prefix's holders at 30 running while it
+runs 5. Where batches differ less, a copy splits the requests sharing one cached prompt, which fit more of them on
+one pod than on two (shared instructions queued on the copies' pods; docs/tried.md)."""
 
 
 class LowQueue(Filter):
@@ -275,10 +279,11 @@ def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[C
                    prompt: float, per_block: float) -> list[Candidate]:
     """The pod that becomes a small prompt's second holder, if any: one that has room for a copy without evicting a
     prefix known cached there, and would finish the request (first token plus the generation term) more than
-    `SECOND_HOLDER_MARGIN_S` sooner than the best holder kept. A hot prefix's holders draw every request that
-    carries it while they report no queue, however large their batches grow (a hot adapter's instruction: two pods
-    at 30 running requests, another at 5). Not an adapter's request while LoRA slots are scarce: a second holder
-    there is one more contender for a pod's slots. `prompt`: its tokens; `per_block`: tokens per prefix block."""
+    `SECOND_HOLDER_MARGIN_S` sooner than the best holder kept, while every holder kept runs
+    `SECOND_HOLDER_BATCH_RATIO` times its requests. A hot prefix's holders draw every request that carries it while
+    they report no queue, however large their batches grow (a hot adapter's instruction: two pods at 30 running
+    requests, another at 5). Not an adapter's request while LoRA slots are scarce: a second holder there is one more
+    contender for a pod's slots. `prompt`: its tokens; `per_block`: tokens per prefix block."""
     request = run.request
     if adapter_slots_scarce(pods, request):
         return []
@@ -293,7 +298,10 @@ def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[C
     best = min(finish[p.key] for p in roomy)
     if min(finish[p.key] for p in kept) <= best + SECOND_HOLDER_MARGIN_S:
         return []
-    return [p for p in roomy if finish[p.key] == best]
+    chosen = [p for p in roomy if finish[p.key] == best]
+    if min(p.running for p in kept) < SECOND_HOLDER_BATCH_RATIO * min(p.running for p in chosen):
+        return []
+    return chosen
 
 
 # --- the peers' filters, as references ------------------------------------------------------------
