@@ -218,6 +218,16 @@ def test_the_long_prompts_sent_to_a_pod_count_as_computing_there_until_their_pre
     assert RequestBuilder().build(fleet, "x", "x", messages, {}, ["a", "b"], S).prefilling == {}  # no clock given: none
 
 
+def test_a_conversations_next_turn_is_marked_for_an_adapter_as_for_the_base_model():
+    fleet = FleetView(S)
+    fleet.update({"a": rec("a", 100.0)})
+    first = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "hello " * 40}]
+    later = first + [{"role": "assistant", "content": "hi " * 40}, {"role": "user", "content": "and then? " * 20}]
+    for adapter in (None, "tenant-a"):
+        assert not RequestBuilder().build(fleet, adapter, "x", first, {}, ["a"], S).later_turn
+        assert RequestBuilder().build(fleet, adapter, "x", later, {}, ["a"], S).later_turn
+
+
 def test_a_fleet_simulated_faster_than_real_time_ends_its_prompts_sooner_on_the_gateway_s_clock():
     """Prefill is estimated in engine seconds; a fleet at 5x speed computes 5 of them in one second of the proxy's."""
     fast = S.model_copy(update={"engine_time_scale": 5.0})

@@ -25,8 +25,9 @@ GENERATION_S = 0.08 * 100
 TPB = 16.0
 
 
-def pod(key="p", waiting=0, running=4, adapters=("a",), max_lora=2, resident=(), free=None, size=None, rates=RATES):
-    return Candidate(key, waiting, running, 0.5, frozenset(adapters), frozenset(resident), max_lora,
+def pod(key="p", waiting=0, running=4, adapters=("a",), max_lora=2, resident=(), free=None, size=None, rates=RATES,
+        usage=0.5):
+    return Candidate(key, waiting, running, usage, frozenset(adapters), frozenset(resident), max_lora,
                      reported_waiting=waiting, rates=rates, kv_free_tokens=free, kv_cache_tokens=size)
 
 
@@ -82,7 +83,8 @@ def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals
     picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
     assert len(picks) == 1  # rendezvous rank on the placement key, not chance
     decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][:3] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft"]
+    assert [step[0] for step in decision.trace][:4] == ["next_turn_elsewhere", "prefix_affinity_ttft", "new_instructions",
+                                                        "predicted_ttft"]
     assert decision.branch == "predicted_ttft"
 
 
@@ -117,6 +119,34 @@ def test_a_conversations_next_turn_leaves_holders_that_all_queue_but_a_first_tur
     later = RouteRequest(None, prefix_blocks=20, prefix_matches={"holder": 20}, placement_key=7, later_turn=True)
     assert choose_pod([queued, *idle], first, settings, random.Random(1)).pod == "holder"
     assert choose_pod([queued, *idle], later, settings, random.Random(1)).pod != "holder"
+
+
+def test_a_next_turn_leaves_its_historys_queued_full_pods_only_for_a_far_emptier_one():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+
+    def turn(history_blocks=10, later=True):
+        return RouteRequest("a", prefix_blocks=12, prefix_matches={"h": history_blocks}, placement_key=7,
+                            later_turn=later)
+
+    full = pod("h", waiting=3, running=28, usage=0.97)  # a queue and a full cache: the turns began here
+    emptier = pod("o", running=12, usage=0.5)
+    assert choose_pod([full, emptier], turn(), settings, random.Random(1)).pod == "o"
+    # A first turn stays: its prefix is an app's system prompt that other requests share.
+    assert choose_pod([full, emptier], turn(later=False), settings, random.Random(1)).pod == "h"
+    # No longer queue than the shortest: the history stays.
+    unqueued = pod("h", running=28, usage=0.97)
+    assert choose_pod([unqueued, emptier], turn(), settings, random.Random(1)).pod == "h"
+    # No cache 30 points emptier: nowhere has room the history pods lack.
+    nearly_as_full = pod("o", running=12, usage=0.75)
+    assert choose_pod([full, nearly_as_full], turn(), settings, random.Random(1)).pod == "h"
+    # The whole prompt held and a smaller gap: llm-d's weights keep it (3 x 1.0 + 2 x 0.03 against 2 x 0.4 + 2).
+    somewhat = pod("o", running=12, usage=0.6)
+    assert choose_pod([full, somewhat], turn(history_blocks=12), settings, random.Random(1)).pod == "h"
+    assert choose_pod([full, somewhat], turn(history_blocks=6), settings, random.Random(1)).pod == "o"
+    # Without prefix affinity nothing is kept for the history, so nothing is left for it either.
+    off = build_settings({"rule_set": "predicted-ttft", "prefix_affinity": False}, environ={})
+    decision = choose_pod([full, emptier], turn(), off, random.Random(1), explain=True)
+    assert decision.trace[0] == ("next_turn_elsewhere", ("h", "o"), None)
 
 
 def test_the_adapter_waits_behind_adapters_queued_for_a_slot_and_its_own_batch_skips_their_queue():
@@ -187,8 +217,8 @@ def test_while_slots_are_scarce_equals_go_where_fewest_adapters_contend_for_them
              for k in range(40)}
     assert picks == {"fewer"}
     decision = choose_pod([crowded, fewer], RouteRequest("x", placement_key=1), settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][:4] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft",
-                                                        "fewest_slot_contenders"]
+    assert [step[0] for step in decision.trace][1:5] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft",
+                                                         "fewest_slot_contenders"]
     # with slots free it has no say: rendezvous rank decides between the same pods
     roomy = [pod("crowded", running=2, adapters=("x", "a"), max_lora=8), pod("fewer", running=2, adapters=("x",), max_lora=8)]
     picks = {choose_pod(roomy, RouteRequest("x", placement_key=k), settings, random.Random(0)).pod for k in range(40)}
@@ -270,13 +300,14 @@ def _candidates(draw):
 @given(_candidates(), st.one_of(st.none(), _ADAPTERS), st.integers(0, 5_000), st.data())
 def test_any_fleet_and_request_get_a_finite_prediction_and_a_pick_among_the_candidates(pods, adapter, blocks, data):
     """What the new terms read (batch sizes, KV free and size, learned rates at their bounds, prefixes known cached
-    anywhere, an app's instructions unseen or held) cannot make the estimate raise or leave the candidates."""
+    anywhere, an app's instructions unseen or held, a conversation's next turn) cannot make the estimate raise or
+    leave the candidates."""
     keys = [p.key for p in pods]
     matches = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, blocks)))
     sizes = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, 10**7)))
     request = RouteRequest(adapter, prefix_blocks=blocks, prefix_matches=matches, prefix_sizes=sizes,
                            served_adapters=data.draw(st.integers(0, 64)), placement_key=data.draw(st.integers(0, 2**32)),
-                           instructions_blocks=data.draw(st.integers(0, blocks)))
+                           instructions_blocks=data.draw(st.integers(0, blocks)), later_turn=data.draw(st.booleans()))
     rule_settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
     for t in predictions(pods, request, rule_settings).values():
         assert math.isfinite(t.total_s) and t.total_s >= 0 and t.generation_s > 0

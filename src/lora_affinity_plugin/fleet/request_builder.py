@@ -51,7 +51,7 @@ class RequestBuilder:
             prefix_matches=matches, match_sources=sources, prefix_hashes=hashes,
             prefix_sizes=fleet.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
             served_adapters=served, instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
-            later_turn=adapter is None and is_later_turn(messages),  # only a base-model turn reads it
+            later_turn=is_later_turn(messages),
             prefilling=fleet.prefilling(now) if now is not None else {})
 
     def _with_exact(self, fleet: FleetView, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None,

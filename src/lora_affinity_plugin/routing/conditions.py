@@ -58,7 +58,7 @@ class HistoryQueued(Condition):
     name = "history_queued"
 
     def test(self, pods: list[Candidate], run: DecisionRun) -> bool:
-        if not run.request.later_turn:
+        if run.request.adapter is not None or not run.request.later_turn:
             return False
         warm = warm_pods(pods, run.request, run.settings)
         return bool(warm) and all(p.reported_waiting for p in warm)

@@ -17,7 +17,13 @@ from .placement import (
     tokens_per_block,
     warm_pods,
 )
+from .scorers import LLMD_WEIGHTED
 from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, predictions
+
+NEXT_TURN_KV_GAP = 0.3
+"""How much emptier (a share of the whole cache) another pod's KV cache must be than the emptiest of a
+conversation's history pods before its next turn leaves them (`NextTurnElsewhere`). Without it turns left pods
+as full as the others, recomputing their histories where no more fitted (docs/tried.md)."""
 
 SECOND_HOLDER_MARGIN_S = 3.0
 """How much sooner (first token plus the generation term) a pod with room for a copy must finish a small prompt than
@@ -212,10 +218,46 @@ class LowCostLora(Filter):
         return [p for p in pods if adapter in p.active_adapters or p.has_free_slot()]
 
 
+class NextTurnElsewhere(Filter):
+    """A conversation's next turn (its prompt carries an `assistant` message) leaves its history's pods, those
+    holding the longest prefix of it, for the others when they are queued and full while another pod has room:
+    every one of them reported a longer queue than the fleet's shortest, another pod's KV cache is at least
+    `NEXT_TURN_KV_GAP` emptier than the emptiest of them, and llm-d's weighted scores (`LLMD_WEIGHTED`: the share
+    of the prompt a pod holds 3, its free KV share 2, its queue 2) rate another pod above every one of them, so
+    the history left behind is short against that gap. The estimate then chooses among the others.
+
+    A history is the conversation's own: moving it copies nothing that other requests share, and the copy left
+    behind ages out of the cache. Kept on its pods, each conversation stayed where it began, and a fleet came to
+    run 30 requests on four pods, full and queueing, while a fifth ran 12 at half its cache (docs/routing.md)."""
+
+    name = "next_turn_elsewhere"
+
+    def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        request, settings = run.request, run.settings
+        matches = request.prefix_matches
+        if not request.later_turn or not matches or not settings.prefix_affinity:
+            return pods
+        best = max(matches.get(p.key, 0) for p in pods)
+        if best < settings.prefix_min_blocks:
+            return pods
+        history = [p for p in pods if matches.get(p.key, 0) == best]
+        others = [p for p in pods if matches.get(p.key, 0) != best]
+        shortest = min(p.reported_waiting for p in pods)
+        if not others or any(p.reported_waiting <= shortest for p in history):
+            return pods
+        roomier = min(p.kv_cache_usage for p in history) - NEXT_TURN_KV_GAP
+        if not any(p.kv_cache_usage <= roomier for p in others):
+            return pods
+        totals = dict(zip((p.key for p in pods), LLMD_WEIGHTED.totals(pods, run)))
+        if min(totals[p.key] for p in others) >= min(totals[p.key] for p in history) - 1e-9:
+            return pods
+        return others
+
+
 class PrefixAffinityTtft(Filter):
     """The pods holding the prompt's longest cached prefix keep it. A prompt under `LARGE_PROMPT_SHARE` of a
     holder's cache stays while they are not far busier than the least busy pod (`not_far_busier`), unless it is a
-    conversation's next turn and each of them reported a queue; a larger one (a document), while the best of them
+    base-model conversation's next turn and each of them reported a queue; a larger one (a document), while the best of them
     would start it at most `STICKY_MARGIN_S` later than the best other pod (llm-d's prefix-affinity filter, on the
     predicted time to first token). A second copy of a prefix costs the fleet KV room that no single request's
     estimate sees; a document's copy is worth it sooner, since few of them fit a cache at once. A small prompt's
@@ -241,8 +283,9 @@ class PrefixAffinityTtft(Filter):
             kept = not_far_busier(pods, settings, among=small)
             if kept:
                 kept += _second_holder(pods, holders, kept, run, prompt, per_block)
-            if kept and not (request.later_turn and all(p.reported_waiting for p in kept)):
-                return kept  # ...unless it is a conversation's next turn and every one of them queues
+            if kept and not (request.later_turn and request.adapter is None
+                             and all(p.reported_waiting for p in kept)):
+                return kept  # ...unless it is a base-model conversation's next turn and every one of them queues
         predicted = predictions(pods, request, settings)
         ttft = {key: t.ttft_s for key, t in predicted.items()}
         if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:

@@ -60,6 +60,7 @@ from .filters import (
     LowCostLora,
     LowQueue,
     NewInstructions,
+    NextTurnElsewhere,
     NotFarBusier,
     PrefixAffinityTtft,
     PrefixMatch,
@@ -68,6 +69,7 @@ from .filters import (
     SoonestStart,
 )
 from .scorers import (
+    LLMD_WEIGHTED,
     DynamoCost,
     FewestAdapters,
     FewestPrefixes,
@@ -203,14 +205,15 @@ SGLANG_CACHE_AWARE: list[Part] = [
 ]
 """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
 
-PREDICTED_TTFT: list[Part] = [PrefixAffinityTtft(), NewInstructions(), PredictedTtft(), FewestSlotContenders(),
-                              FewestPrefixes(), LeastLoad(), PickAgreed("predicted_ttft")]
+PREDICTED_TTFT: list[Part] = [NextTurnElsewhere(), PrefixAffinityTtft(), NewInstructions(), PredictedTtft(),
+                              FewestSlotContenders(), FewestPrefixes(), LeastLoad(), PickAgreed("predicted_ttft")]
 """One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included,
-after the prompt's holders keep it and an app's new instructions are placed for the cache;
+after a conversation's next turn leaves its history's queued, full pods for roomier ones, the prompt's holders keep
+it and an app's new instructions are placed for the cache;
 among equals, while LoRA slots are scarce the pods with the fewest adapters contending for them, then the caches
 holding least, the least load band, then rendezvous rank, so gateways agree without talking."""
 
-LLMD_WEIGHTS: list[Part] = [Weighted({PrefixScore(): 3.0, KvScore(): 2.0, QueueScore(): 2.0}), Pick("llmd_weights")]
+LLMD_WEIGHTS: list[Part] = [LLMD_WEIGHTED, Pick("llmd_weights")]
 """llm-d's current built-in weights: prefix 3, KV use 2, queue 2."""
 
 LLMD_PRECISE: list[Part] = [Weighted({PrefixScore(): 2.0, KvScore(): 1.0, QueueScore(): 1.0}), Pick("llmd_precise")]

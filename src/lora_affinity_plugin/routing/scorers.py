@@ -242,11 +242,16 @@ class Weighted(Part):
     def __init__(self, weights: dict[Scorer, float]) -> None:
         self.weights = tuple(weights.items())
 
-    def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
+    def totals(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        """Each pod's weighted sum, in `pods`' order (lower is better)."""
         totals = [0.0] * len(pods)
         for scorer, weight in self.weights:
             for i, cost in enumerate(scorer.costs(pods, run)):
                 totals[i] += weight * cost
+        return totals
+
+    def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
+        totals = self.totals(pods, run)
         best: list[Candidate] = []
         least = math.inf
         for p, total in zip(pods, totals):
@@ -259,3 +264,7 @@ class Weighted(Part):
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{s.name}: {w:g}" for s, w in self.weights) + "}"
+
+
+LLMD_WEIGHTED = Weighted({PrefixScore(): 3.0, KvScore(): 2.0, QueueScore(): 2.0})
+"""llm-d's current built-in weights: the prompt's share a pod holds 3, its free KV share 2, its queue 2."""
