@@ -83,8 +83,8 @@ def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals
     picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
     assert len(picks) == 1  # rendezvous rank on the placement key, not chance
     decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][:4] == ["next_turn_elsewhere", "prefix_affinity_ttft", "new_instructions",
-                                                        "predicted_ttft"]
+    assert [step[0] for step in decision.trace][:4] == ["next_turn_elsewhere", "prefix_affinity_ttft",
+                                                        "new_instructions", "predicted_ttft"]
     assert decision.branch == "predicted_ttft"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .conditions import AdapterSurvey
-from .decision import Candidate, DecisionRun, Filter
+from .decision import Candidate, DecisionRun, Filter, RouteRequest, RuleSettings
 from .placement import (
     LARGE_PROMPT_SHARE,
     admits_now,
@@ -234,16 +234,12 @@ class NextTurnElsewhere(Filter):
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
         request, settings = run.request, run.settings
-        matches = request.prefix_matches
-        if not request.later_turn or not matches or not settings.prefix_affinity:
+        if not request.later_turn or not settings.prefix_affinity:
             return pods
-        best = max(matches.get(p.key, 0) for p in pods)
-        if best < settings.prefix_min_blocks:
-            return pods
-        history = [p for p in pods if matches.get(p.key, 0) == best]
-        others = [p for p in pods if matches.get(p.key, 0) != best]
+        history = longest_match_holders(pods, request, settings)
+        others = [p for p in pods if p not in history]
         shortest = min(p.reported_waiting for p in pods)
-        if not others or any(p.reported_waiting <= shortest for p in history):
+        if not history or not others or any(p.reported_waiting <= shortest for p in history):
             return pods
         roomier = min(p.kv_cache_usage for p in history) - NEXT_TURN_KV_GAP
         if not any(p.kv_cache_usage <= roomier for p in others):
@@ -257,9 +253,9 @@ class NextTurnElsewhere(Filter):
 class PrefixAffinityTtft(Filter):
     """The pods holding the prompt's longest cached prefix keep it. A prompt under `LARGE_PROMPT_SHARE` of a
     holder's cache stays while they are not far busier than the least busy pod (`not_far_busier`), unless it is a
-    base-model conversation's next turn and each of them reported a queue; a larger one (a document), while the best of them
-    would start it at most `STICKY_MARGIN_S` later than the best other pod (llm-d's prefix-affinity filter, on the
-    predicted time to first token). A second copy of a prefix costs the fleet KV room that no single request's
+    base-model conversation's next turn and each of them reported a queue; a larger one (a document), while the
+    best of them would start it at most `STICKY_MARGIN_S` later than the best other pod (llm-d's prefix-affinity
+    filter, on the predicted time to first token). A second copy of a prefix costs the fleet KV room that no single request's
     estimate sees; a document's copy is worth it sooner, since few of them fit a cache at once. A small prompt's
     prefix gains a second holder when one has room for it and would finish it much sooner (`_second_holder`)."""
 
@@ -267,14 +263,10 @@ class PrefixAffinityTtft(Filter):
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
         request, settings = run.request, run.settings
-        matches = request.prefix_matches
-        if not matches or not settings.prefix_affinity:
+        if not settings.prefix_affinity:
             return pods
-        best = max(matches.get(p.key, 0) for p in pods)
-        if best < settings.prefix_min_blocks:
-            return pods
-        holders = [p for p in pods if matches.get(p.key, 0) == best]
-        if len(holders) == len(pods):
+        holders = longest_match_holders(pods, request, settings)
+        if not holders or len(holders) == len(pods):
             return pods
         per_block = tokens_per_block(settings)
         prompt = request.prefix_blocks * per_block
@@ -309,13 +301,24 @@ class NewInstructions(Filter):
         instructions = request.instructions_blocks
         if instructions < settings.prefix_min_blocks or 2 * instructions < request.prefix_blocks:
             return pods
-        matches = request.prefix_matches
-        if matches and max(matches.get(p.key, 0) for p in pods) >= settings.prefix_min_blocks:
+        if longest_match_holders(pods, request, settings):
             return pods  # held somewhere: the holders' rule (`PrefixAffinityTtft`) decides
         roomy = soonest_start(not_far_busier(pods, settings), request, settings)
         known = [request.prefix_sizes.get(p.key, 0) for p in roomy]
         edge = least_band_int(known, run.width)
         return [p for p, blocks in zip(roomy, known) if blocks <= edge]
+
+
+def longest_match_holders(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> list[Candidate]:
+    """The pods holding the prompt's longest cached prefix, when it is at least `prefix_min_blocks` long (every
+    chat shares its first few characters); none otherwise."""
+    matches = request.prefix_matches
+    if not matches:
+        return []
+    best = max(matches.get(p.key, 0) for p in pods)
+    if best < settings.prefix_min_blocks:
+        return []
+    return [p for p in pods if matches.get(p.key, 0) == best]
 
 
 def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[Candidate], run: DecisionRun,
