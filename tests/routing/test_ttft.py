@@ -83,8 +83,8 @@ def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals
     picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
     assert len(picks) == 1  # rendezvous rank on the placement key, not chance
     decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][:4] == ["next_turn_elsewhere", "prefix_affinity_ttft",
-                                                        "new_instructions", "predicted_ttft"]
+    assert [step[0] for step in decision.trace][:5] == ["document_weights", "next_turn_elsewhere",
+                                                        "prefix_affinity_ttft", "new_instructions", "predicted_ttft"]
     assert decision.branch == "predicted_ttft"
 
 
@@ -104,10 +104,10 @@ def test_prefix_holders_keep_the_prompt_until_they_queue_and_start_it_a_margin_l
 def test_a_large_prompts_holder_without_room_gives_it_to_a_pod_that_starts_it_sooner():
     settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
     request = RouteRequest(None, prefix_blocks=50, prefix_matches={"holder": 15}, placement_key=7)  # 3,200 tokens
-    full = pod("holder", running=3, free=500, size=10_000)  # a third of its cache: large there, and no room
-    roomy = [pod(f"p{i}", running=1, free=8000, size=10_000) for i in range(2)]
+    full = pod("holder", running=3, free=500, size=10_000, usage=0.95)  # a third of its cache: large there, no room
+    roomy = [pod(f"p{i}", running=1, free=8000, size=10_000, usage=0.2) for i in range(2)]
     assert choose_pod([full, *roomy], request, settings, random.Random(1)).pod != "holder"
-    with_room = pod("holder", running=3, free=6000, size=10_000)
+    with_room = pod("holder", running=3, free=6000, size=10_000, usage=0.4)
     assert choose_pod([with_room, *roomy], request, settings, random.Random(1)).pod == "holder"
 
 
@@ -146,7 +146,29 @@ def test_a_next_turn_leaves_its_historys_queued_full_pods_only_for_a_far_emptier
     # Without prefix affinity nothing is kept for the history, so nothing is left for it either.
     off = build_settings({"rule_set": "predicted-ttft", "prefix_affinity": False}, environ={})
     decision = choose_pod([full, emptier], turn(), off, random.Random(1), explain=True)
-    assert decision.trace[0] == ("next_turn_elsewhere", ("h", "o"), None)
+    assert decision.trace[1] == ("next_turn_elsewhere", ("h", "o"), None)
+
+
+def test_a_document_goes_where_llmds_weights_rate_best_once_the_caches_are_half_full():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})  # 64 tokens a prefix block
+
+    def choose(batch_usage, small_usage, blocks, chosen_settings=settings):
+        batch = pod("batch", running=10, usage=batch_usage, free=int((1 - batch_usage) * 10_000), size=10_000)
+        small = pod("small", running=1, usage=small_usage, free=int((1 - small_usage) * 10_000), size=10_000)
+        request = RouteRequest("a", prefix_blocks=blocks, placement_key=7)
+        return choose_pod([batch, small], request, chosen_settings, random.Random(1), explain=True)
+
+    # A document (40 blocks, 2,560 tokens: over a fifth of a 10,000-token cache), caches 55% full on average: the
+    # weights prefer the emptier cache (2 x 0.55 against 2 x 0.35), where the estimate takes the smaller batch.
+    decision = choose(0.45, 0.65, 40)
+    assert decision.pod == "batch"
+    assert decision.trace[0] == ("document_weights", ("batch",), {"batch": -3.1, "small": -2.7})
+    assert choose(0.25, 0.45, 40).pod == "small"  # caches 35% full: room is plentiful, the estimate decides
+    assert choose(0.45, 0.65, 8).pod == "small"  # 512 tokens: not a document
+    off = build_settings({"rule_set": "predicted-ttft", "prefix_affinity": False}, environ={})
+    assert choose(0.45, 0.65, 40, off).pod == "small"
+    disabled = build_settings({"rule_set": "predicted-ttft", "disabled_rules": ["document_weights"]}, environ={})
+    assert choose(0.45, 0.65, 40, disabled).pod == "small"
 
 
 def test_the_adapter_waits_behind_adapters_queued_for_a_slot_and_its_own_batch_skips_their_queue():
@@ -217,7 +239,7 @@ def test_while_slots_are_scarce_equals_go_where_fewest_adapters_contend_for_them
              for k in range(40)}
     assert picks == {"fewer"}
     decision = choose_pod([crowded, fewer], RouteRequest("x", placement_key=1), settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][1:5] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft",
+    assert [step[0] for step in decision.trace][2:6] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft",
                                                          "fewest_slot_contenders"]
     # with slots free it has no say: rendezvous rank decides between the same pods
     roomy = [pod("crowded", running=2, adapters=("x", "a"), max_lora=8), pod("fewer", running=2, adapters=("x",), max_lora=8)]

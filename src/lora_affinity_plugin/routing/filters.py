@@ -25,6 +25,11 @@ NEXT_TURN_KV_GAP = 0.3
 conversation's history pods before its next turn leaves them (`NextTurnElsewhere`). Without it turns left pods
 as full as the others, recomputing their histories where no more fitted (docs/tried.md)."""
 
+DOCUMENTS_FULL_USAGE = 0.5
+"""The candidates' mean KV-cache use from which documents are placed by llm-d's weights (`DocumentWeights`). Below
+it room is plentiful and the estimate, which knows each pod's speed, keeps an uneven fleet's documents off its slow
+pods; the weights there sent them to idle slow pods (docs/tried.md)."""
+
 SECOND_HOLDER_MARGIN_S = 3.0
 """How much sooner (first token plus the generation term) a pod with room for a copy must finish a small prompt than
 its holders before it becomes a second holder (`PrefixAffinityTtft`). At 1 s shared system prompts spread and
@@ -216,6 +221,38 @@ class LowCostLora(Filter):
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
         adapter = run.request.adapter
         return [p for p in pods if adapter in p.active_adapters or p.has_free_slot()]
+
+
+class DocumentWeights(Filter):
+    """A document (a prompt at least `LARGE_PROMPT_SHARE` of the smallest candidate KV cache), while the candidates'
+    caches are on average at least `DOCUMENTS_FULL_USAGE` full, goes where llm-d's weighted scores rate best
+    (`LLMD_WEIGHTED`: the share of the prompt a pod holds 3, its free KV share 2, its queue 2); ties go on to the
+    estimate's rules. Other prompts, and documents while the caches have room, pass untouched.
+
+    Few documents fit a cache at once, so under KV pressure where each one lives decides how many requests the
+    fleet can run: the weights keep a document where it is cached while its pod has room and send new ones to the
+    emptiest caches. The estimate prices one request's first token from rates learned in generations; with every
+    cache full its room and generation terms were guesses of many seconds apart, and it spread documents over
+    more pods, each of them queueing (docs/routing.md). Without prefix affinity it leaves every document to the
+    estimate."""
+
+    name = "document_weights"
+
+    def __call__(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
+        if (not run.settings.prefix_affinity or not _is_document(pods, run)
+                or sum(p.kv_cache_usage for p in pods) < DOCUMENTS_FULL_USAGE * len(pods)):
+            return run.apply(self.rule, pods, pods)
+        totals = LLMD_WEIGHTED.totals(pods, run)
+        least = min(totals)
+        best = [p for p, total in zip(pods, totals) if total <= least + 1e-9]
+        values = None if run.trace is None else {p.key: round(t, 6) for p, t in zip(pods, totals)}
+        return run.apply(self.rule, pods, best, values)
+
+
+def _is_document(pods: list[Candidate], run: DecisionRun) -> bool:
+    """The prompt fills at least `LARGE_PROMPT_SHARE` of the smallest cache among the pods that report theirs."""
+    sizes = [p.kv_cache_tokens for p in pods if p.kv_cache_tokens]
+    return bool(sizes) and run.request.prefix_blocks * tokens_per_block(run.settings) >= LARGE_PROMPT_SHARE * min(sizes)
 
 
 class NextTurnElsewhere(Filter):

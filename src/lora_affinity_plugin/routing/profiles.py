@@ -52,6 +52,7 @@ from .filters import (
     AdmitsNow,
     AibrixPrefixCache,
     Dealt,
+    DocumentWeights,
     Fastest,
     FreeSlot,
     LeastLoadOrLongestMatch,
@@ -205,11 +206,13 @@ SGLANG_CACHE_AWARE: list[Part] = [
 ]
 """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
 
-PREDICTED_TTFT: list[Part] = [NextTurnElsewhere(), PrefixAffinityTtft(), NewInstructions(), PredictedTtft(),
-                              FewestSlotContenders(), FewestPrefixes(), LeastLoad(), PickAgreed("predicted_ttft")]
+PREDICTED_TTFT: list[Part] = [DocumentWeights(), NextTurnElsewhere(), PrefixAffinityTtft(), NewInstructions(),
+                              PredictedTtft(), FewestSlotContenders(), FewestPrefixes(), LeastLoad(),
+                              PickAgreed("predicted_ttft")]
 """One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included,
-after a conversation's next turn leaves its history's queued, full pods for roomier ones, the prompt's holders keep
-it and an app's new instructions are placed for the cache;
+after a document goes where llm-d's weights rate best once the caches are half full, a conversation's next turn
+leaves its history's queued, full pods for roomier ones, the prompt's holders keep it and an app's new
+instructions are placed for the cache;
 among equals, while LoRA slots are scarce the pods with the fewest adapters contending for them, then the caches
 holding least, the least load band, then rendezvous rank, so gateways agree without talking."""
 
