@@ -322,8 +322,8 @@ def _candidates(draw):
 @given(_candidates(), st.one_of(st.none(), _ADAPTERS), st.integers(0, 5_000), st.data())
 def test_any_fleet_and_request_get_a_finite_prediction_and_a_pick_among_the_candidates(pods, adapter, blocks, data):
     """What the new terms read (batch sizes, KV free and size, learned rates at their bounds, prefixes known cached
-    anywhere, an app's instructions unseen or held, a conversation's next turn) cannot make the estimate raise or
-    leave the candidates."""
+    anywhere, an app's instructions unseen or held, a conversation's next turn, a document under KV pressure) cannot
+    make the estimate raise or leave the candidates."""
     keys = [p.key for p in pods]
     matches = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, blocks)))
     sizes = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, 10**7)))

@@ -181,7 +181,9 @@ class Settings(BaseModel):
     prefix_max_chars: int = Field(65_536, ge=0, le=16 * 1024 * 1024)
     """At most this much of a prompt is read and hashed: bounds the plugin's time per decision."""
     prefix_chars_per_token: float = Field(4.0, gt=0.0, le=64.0)
-    """Sizes each pod's index from its cache (num_gpu_blocks x block_size tokens) without its tokenizer."""
+    """Characters a token of the served models' tokenizer (about 4 for English text, fewer for code and other
+    languages; the simulator's is 3): sizes each pod's index from its cache (num_gpu_blocks x block_size tokens) and
+    turns a prompt's characters into tokens for the estimates (prefill, KV room, whether a prompt is a document)."""
     prefix_ttl_ms: int = Field(600_000, ge=1_000)
     """Index entries unused this long are dropped."""
     share_prefixes: bool = True
