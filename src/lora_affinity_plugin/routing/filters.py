@@ -7,10 +7,10 @@ from typing import ClassVar
 from .conditions import AdapterSurvey
 from .decision import Candidate, DecisionRun, Filter, RouteRequest, RuleSettings
 from .placement import (
-    LARGE_PROMPT_SHARE,
     admits_now,
     computing_tokens,
     fastest,
+    large_there,
     least_band_int,
     not_far_busier,
     soonest_start,
@@ -242,17 +242,13 @@ class DocumentWeights(Filter):
         if (not run.settings.prefix_affinity or not _is_document(pods, run)
                 or sum(p.kv_cache_usage for p in pods) < DOCUMENTS_FULL_USAGE * len(pods)):
             return run.apply(self.rule, pods, pods)
-        totals = LLMD_WEIGHTED.totals(pods, run)
-        least = min(totals)
-        best = [p for p, total in zip(pods, totals) if total <= least + 1e-9]
-        values = None if run.trace is None else {p.key: round(t, 6) for p, t in zip(pods, totals)}
-        return run.apply(self.rule, pods, best, values)
+        return run.apply(self.rule, pods, *LLMD_WEIGHTED.best(pods, run))
 
 
 def _is_document(pods: list[Candidate], run: DecisionRun) -> bool:
-    """The prompt fills at least `LARGE_PROMPT_SHARE` of the smallest cache among the pods that report theirs."""
-    sizes = [p.kv_cache_tokens for p in pods if p.kv_cache_tokens]
-    return bool(sizes) and run.request.prefix_blocks * tokens_per_block(run.settings) >= LARGE_PROMPT_SHARE * min(sizes)
+    """The prompt is large (`LARGE_PROMPT_SHARE`) on some pod: on the smallest cache among those that report theirs."""
+    prompt = run.request.prefix_blocks * tokens_per_block(run.settings)
+    return any(large_there(p, prompt) for p in pods)
 
 
 class NextTurnElsewhere(Filter):
@@ -307,7 +303,7 @@ class PrefixAffinityTtft(Filter):
             return pods
         per_block = tokens_per_block(settings)
         prompt = request.prefix_blocks * per_block
-        small = [p for p in holders if not p.kv_cache_tokens or prompt < LARGE_PROMPT_SHARE * p.kv_cache_tokens]
+        small = [p for p in holders if not large_there(p, prompt)]
         if small:  # a small prompt: its holders keep it while not far busier (a copy costs more than a queue)...
             kept = not_far_busier(pods, settings, among=small)
             if kept:

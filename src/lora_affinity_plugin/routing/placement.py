@@ -45,6 +45,11 @@ LARGE_PROMPT_SHARE = 0.2
 whole running requests end."""
 
 
+def large_there(p: Candidate, prompt_tokens: float) -> bool:
+    """The prompt is large on `p` (`LARGE_PROMPT_SHARE` of its cache or more); never where the pod reports no size."""
+    return bool(p.kv_cache_tokens) and prompt_tokens >= LARGE_PROMPT_SHARE * p.kv_cache_tokens
+
+
 def waits_for_room(p: Candidate, prompt_tokens: float, uncached_tokens: float) -> bool:
     """The pod's cache (at its scrape) has no room for the `uncached_tokens` it must compute, and the prompt is large
     there (`LARGE_PROMPT_SHARE`): it waits for running requests to end, seconds, not one step. A small prompt finds

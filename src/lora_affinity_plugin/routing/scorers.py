@@ -250,7 +250,8 @@ class Weighted(Part):
                 totals[i] += weight * cost
         return totals
 
-    def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
+    def best(self, pods: list[Candidate], run: DecisionRun) -> tuple[list[Candidate], dict[str, float] | None]:
+        """The pods with the least total (within 1e-9), and every pod's total when the run is explained."""
         totals = self.totals(pods, run)
         best: list[Candidate] = []
         least = math.inf
@@ -259,8 +260,10 @@ class Weighted(Part):
                 best, least = [p], total
             elif abs(total - least) <= 1e-9:
                 best.append(p)
-        values = None if run.trace is None else {p.key: round(t, 6) for p, t in zip(pods, totals)}
-        return run.apply(self.rule, pods, best, values)
+        return best, None if run.trace is None else {p.key: round(t, 6) for p, t in zip(pods, totals)}
+
+    def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
+        return run.apply(self.rule, pods, *self.best(pods, run))
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{s.name}: {w:g}" for s, w in self.weights) + "}"
