@@ -77,7 +77,8 @@ async def test_redis_down_is_survived_and_logged_once(caplog, PODS):
         async def aclose(self):
             pass
 
-    scraper = Scraper(build_settings({}), PODS, Down())
+    # (a lease long enough for three scrapes on a loaded CI machine: one second was not, once)
+    scraper = Scraper(build_settings({"scraper_lease_ms": 10_000}), PODS, Down())
     assert await scraper.scrape_once() == []  # no lease can be taken: nothing to scrape for
     # A leader that loses Redis keeps scraping and trying to write while its lease could still be held...
     scraper.leader, scraper.redis_ok_at = True, time.monotonic()
