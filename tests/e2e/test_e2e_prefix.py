@@ -118,3 +118,49 @@ def test_status_shows_each_pods_index_size(stack):
                           "--json"], capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)["pods"]
     assert sum(r["prefix_blocks"] for r in rows) >= 20
+
+
+def learned_ratios(proxy) -> list[tuple[str, str]]:
+    return re.findall(r"pod (\S+): ([0-9.]+) characters a token, learned", proxy.log())
+
+
+def send_documents(url: str, count: int, **extra) -> None:
+    """`count` prompts of about 3 KB each, each its own, through the proxy at `url`."""
+    with httpx.Client(timeout=60) as client:
+        for i in range(count):
+            text = f"Document {i} for {url}. " + " ".join(f"clause {i}.{j} says what it says." for j in range(90))
+            body = {"model": "tweet-summary", "max_tokens": 2, "messages": [{"role": "user", "content": text}], **extra}
+            response = client.post(url + "/v1/chat/completions", headers=HEADERS, json=body)
+            assert response.status_code == 200, response.text
+
+
+def test_a_proxy_learns_each_pods_characters_a_token_from_the_engines_answers(stack):
+    """The simulated engines count 3 bytes of the rendered chat a token; the plugin starts at 4 and learns the
+    engines' ratio from `usage.prompt_tokens`: of plain answers (proxy a), and of streams that asked the engine for
+    usage (proxy b; LiteLLM 1.110 asks it for every stream, to count spend)."""
+    proxy_a, proxy_b = stack["proxies"]
+    send_documents(stack["a"], 36)
+    send_documents(stack["b"], 36, stream=True, stream_options={"include_usage": True})
+    for proxy in (proxy_a, proxy_b):
+        deadline = time.monotonic() + 10
+        while not (learned := learned_ratios(proxy)):
+            assert time.monotonic() < deadline, proxy.log()[-3000:]
+            time.sleep(0.2)
+        assert {pod for pod, _ in learned} <= set(stack["pods"])
+        for _, ratio in learned:
+            assert 2.8 <= float(ratio) <= 3.2, learned  # the engines' 3, not the settings' 4
+    # `explain` runs apart from the proxies, so it counts at the settings' ratio unless given the learned one.
+    system = system_prompt("tokens")
+
+    def explained(*extra: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "lora_affinity_plugin.ops.cli", "explain", "--config",
+                              str(stack["config"]), "--model", "tweet-summary", "--messages", "/dev/stdin", "--json",
+                              *extra], input=json.dumps([{"role": "system", "content": system}]),
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+
+    at_settings, at_learned = explained(), explained("--chars-per-token", learned[0][1])
+    assert at_settings["chars_per_token"] == 4.0 and at_learned["chars_per_token"] == float(learned[0][1])
+    pod = at_settings["candidates"][0]
+    tokens = at_settings["costs"][pod]["uncached_tokens"], at_learned["costs"][pod]["uncached_tokens"]
+    assert abs(tokens[1] / tokens[0] - 4.0 / float(learned[0][1])) < 0.02, tokens

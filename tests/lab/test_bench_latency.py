@@ -115,7 +115,7 @@ def test_ttft_causes_charges_each_wait_to_one_cause_and_the_oracle_sees_replicas
     kv_room = slow_parts[2]
     assert slow_ttft > 1 and kv_room == max(slow_parts) and kv_room > 0.5 * slow_ttft
     _, fit_parts = causes(fit, "all")
-    assert fit_parts[2] < parts[2] and fit_parts[3] > 2 * parts[3]
+    assert fit_parts[2] < parts[2] and fit_parts[3] > 1.1 * parts[3]
     refused = subprocess.run([sys.executable, str(BENCH_TOOLS / "ttft_causes.py"), "mixed", "5", "1", "simple-shuffle",
                               "--oracle", "kv"], capture_output=True, text=True, timeout=120,
                              env=child_env(PYTHONPATH=str(BENCH_TOOLS.parent / "src")))

@@ -183,7 +183,12 @@ class Settings(BaseModel):
     prefix_chars_per_token: float = Field(4.0, gt=0.0, le=64.0)
     """Characters a token of the served models' tokenizer (about 4 for English text, fewer for code and other
     languages; the simulator's is 3): sizes each pod's index from its cache (num_gpu_blocks x block_size tokens) and
-    turns a prompt's characters into tokens for the estimates (prefill, KV room, whether a prompt is a document)."""
+    turns a prompt's characters into tokens for the estimates (prefill, KV room, whether a prompt is a document).
+    With `learn_chars_per_token`, the value until a pod's own is learned."""
+    learn_chars_per_token: bool = True
+    """Learn each pod's characters a token from the prompt token counts its engine reports (`usage.prompt_tokens`
+    of a response, or of a stream's last chunk when the client asks for it with `stream_options.include_usage`),
+    for prompts of 4 blocks or more; each proxy learns on its own (`fleet/prompt_tokens.py`)."""
     prefix_ttl_ms: int = Field(600_000, ge=1_000)
     """Index entries unused this long are dropped."""
     share_prefixes: bool = True

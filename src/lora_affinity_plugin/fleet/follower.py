@@ -43,6 +43,7 @@ from ..telemetry.metrics import (
     INFLIGHT,
     INFLIGHT_SWEPT,
     INPUTS_DROPPED,
+    POD_CHARS_PER_TOKEN,
     REDIS_UP,
     SETTINGS_APPLIED,
     SETTINGS_REJECTED,
@@ -289,6 +290,8 @@ class Follower:
         for pod in self.pods_seen | set(counts):
             INFLIGHT.labels(pod).set(counts.get(pod, 0))
         self.pods_seen = set(counts)
+        for pod, ratio in self.fleet.prompt_tokens.learned().items():
+            POD_CHARS_PER_TOKEN.labels(pod).set(round(ratio, 3))
 
     def _follow_settings(self, raw: bytes) -> None:
         refused = self.live.refused

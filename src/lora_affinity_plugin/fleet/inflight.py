@@ -28,6 +28,8 @@ class Dispatch:
     adapter: str | None
     at: float
     """Unix time it was sent (seconds)."""
+    blocks: int = 0
+    """Prefix blocks its prompt was counted in (what its engine's token count is learned against)."""
 
 
 class InFlight:
@@ -40,10 +42,10 @@ class InFlight:
     def get(self, call_id: str) -> Dispatch | None:
         return self._calls.get(call_id)
 
-    def begin(self, call_id: str, pod: str, adapter: str | None, at: float) -> Dispatch | None:
+    def begin(self, call_id: str, pod: str, adapter: str | None, at: float, blocks: int = 0) -> Dispatch | None:
         """Count `call_id` on `pod`; returns the dispatch it replaces (a retry of the same call)."""
         previous = self._calls.pop(call_id, None)
-        self._calls[call_id] = Dispatch(pod, adapter, at)
+        self._calls[call_id] = Dispatch(pod, adapter, at, blocks)
         return previous
 
     def end(self, call_id: str) -> Dispatch | None:

@@ -52,7 +52,8 @@ class RequestBuilder:
             prefix_sizes=fleet.prefixes.size_view(), gateways=gateways, home=home, dealt_adapters=dealt,
             served_adapters=served, instructions_blocks=instructions_blocks(messages, settings.prefix_block_chars),
             later_turn=is_later_turn(messages),
-            prefilling=fleet.prefilling(now) if now is not None else {})
+            prefilling=fleet.prefilling(now) if now is not None else {},
+            chars_per_token=fleet.prompt_tokens.for_pods(pods) if settings.learn_chars_per_token else None)
 
     def _with_exact(self, fleet: FleetView, matches: Mapping[str, int], blocks: int, model: str, adapter: str | None,
                     messages: Any, request_kwargs: Any, pods: Iterable[str], settings: Settings

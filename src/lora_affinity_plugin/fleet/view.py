@@ -28,10 +28,11 @@ from ..routing.podstate import DEFAULT_RATES
 from ..routing.scheduling import Candidate
 from .adapters import AdapterCatalog
 from .inflight import Dispatch, InFlight, PeerShare
+from .prompt_tokens import PromptTokens
 from .residency import ResidencyMemory
 from .store import PodRecord
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("lora_affinity")
 
 _DEFAULT_SLOTS = 4
 
@@ -84,6 +85,8 @@ class FleetView:
         """What each pod's engine reports its cache holds (its KV events, through the scraper and Redis)."""
         self.adapters = AdapterCatalog()
         self.residency = ResidencyMemory()
+        self.prompt_tokens = PromptTokens()
+        """Each pod's characters a token, learned from its engine's prompt token counts (`learn_prompt`)."""
         self._stalest_scrape = float("-inf")
         """The oldest scrape among pods with metrics: when it is fresh, so is every pod (no per-pod check)."""
         self._lists: OrderedDict[tuple[str, ...], _CandidateList] = OrderedDict()
@@ -141,8 +144,26 @@ class FleetView:
     def _size_index(self, pod: str, num_gpu_blocks: int | None, block_size: int | None) -> None:
         if num_gpu_blocks and block_size:  # records from Redis may come from any scraper: bounded here too
             tokens = min(int(num_gpu_blocks), 1 << 31) * min(int(block_size), 1 << 16)
-            self.prefixes.set_capacity(pod, int(tokens * self.settings.prefix_chars_per_token
-                                                // self.settings.prefix_block_chars))
+            self.prefixes.set_capacity(pod, int(tokens * self.chars_per_token(pod) // self.settings.prefix_block_chars))
+
+    def chars_per_token(self, pod: str) -> float:
+        """`pod`'s characters a token: learned (`learn_chars_per_token`), else the settings'."""
+        learned = self.prompt_tokens.chars_per_token(pod) if self.settings.learn_chars_per_token else None
+        return learned or self.settings.prefix_chars_per_token
+
+    def learn_prompt(self, served: Dispatch, prompt_tokens: object) -> bool:
+        """`served`'s engine counted `prompt_tokens` in its prompt (a response's `usage.prompt_tokens`): the pod's
+        characters a token learn from it (`prompt_tokens.PromptTokens`). False: nothing learned."""
+        if not self.settings.learn_chars_per_token:
+            return False
+        learning = self.prompt_tokens.chars_per_token(served.pod) is None
+        if not self.prompt_tokens.observe(served.pod, served.blocks, prompt_tokens, self.settings.prefix_block_chars,
+                                          self.settings.prefix_max_chars):
+            return False
+        if learning and (learned := self.prompt_tokens.chars_per_token(served.pod)) is not None:
+            logger.info("pod %s: %.2f characters a token, learned from its engine's prompt token counts (until now "
+                        "prefix_chars_per_token, %s)", served.pod, learned, self.settings.prefix_chars_per_token)
+        return True
 
     def maintain(self, now: float) -> None:
         """Once per refresh: settings may have changed the TTL; unused entries expire."""
@@ -272,14 +293,16 @@ class FleetView:
         metrics = state.record.metrics if state else None
         return metrics.model_names if metrics else frozenset()
 
-    def note_dispatch(self, pod: str, adapter: str | None, now: float, call_id: str | None = None) -> None:
+    def note_dispatch(self, pod: str, adapter: str | None, now: float, call_id: str | None = None,
+                      blocks: int = 0) -> None:
         """A request goes to `pod`. With a call id it stays counted until `end(call_id)` (or a sweep);
-        a second note for the same call (LiteLLM's deployment hook, or a retry) moves or keeps it."""
+        a second note for the same call (LiteLLM's deployment hook, or a retry) moves or keeps it. `blocks`: the
+        prefix blocks its prompt was counted in (`learn_prompt`)."""
         if call_id is not None:
             current = self.inflight.get(call_id)
             if current is not None and current.pod == pod:
                 return
-            moved_from = self.inflight.begin(call_id, pod, adapter, now)
+            moved_from = self.inflight.begin(call_id, pod, adapter, now, blocks or (current.blocks if current else 0))
             if moved_from is not None:
                 self._forget(moved_from, call_id)
         else:

@@ -233,7 +233,8 @@ class LoraAffinityStrategy(CustomRoutingStrategyBase):
                 predicted = predictions(candidates, request, settings)
                 gain = predicted[served.key].ttft_s - predicted[chosen.key].ttft_s
             rules_pod, decision.pod = decision.pod, serve  # what follows accounts the pod that serves it
-        self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None)
+        self.fleet.note_dispatch(decision.pod, adapter, now, call_id if self.hooks_end_calls else None,
+                                 request.prefix_blocks)
         if request.prefix_hashes and decision.pod in pods.positions:
             chosen = next((c for c in candidates if c.key == decision.pod), None)
             prefill_s = prefill_estimate_s(chosen, request, settings) if chosen is not None else 0.0

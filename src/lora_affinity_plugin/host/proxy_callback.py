@@ -231,7 +231,9 @@ class ProxyPlugin(CustomLogger):
 
     async def async_post_call_success_deployment_hook(self, request_data, response, call_type):
         if not request_data.get("stream"):  # a stream has only started here; its iterator ends it
-            self._served(self._end_call(request_data, "success"))
+            ended = self._end_call(request_data, "success")
+            self._served(ended)
+            self._learn_prompt(ended, response)
         return None
 
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
@@ -268,11 +270,28 @@ class ProxyPlugin(CustomLogger):
         return None
 
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict, response, request_data):
+        last = None
         try:
             async for chunk in response:
+                last = chunk
                 yield chunk
         finally:  # end of stream, upstream error or the client leaving (CancelledError/GeneratorExit)
-            self._end_call(request_data, "stream end")
+            ended = self._end_call(request_data, "stream end")
+            if _asked_usage(request_data):  # its last chunk has the engine's `usage` (else none, or LiteLLM's guess)
+                self._learn_prompt(ended, last)
+
+    def _learn_prompt(self, ended: Dispatch | None, response: Any) -> None:
+        """The engine's count of the prompt's tokens (`usage.prompt_tokens`), where the answer has one: the pod's
+        characters a token learn from it (`FleetView.learn_prompt`)."""
+        if ended is None or self._fleet is None or response is None:
+            return
+        try:
+            usage = response.get("usage") if isinstance(response, dict) else getattr(response, "usage", None)
+            tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else getattr(usage, "prompt_tokens", None)
+            if tokens is not None:
+                self._fleet.learn_prompt(ended, tokens)
+        except Exception as exc:  # a count is never worth a failed response
+            self._counting_failing.fail(f"a prompt's token count: {type(exc).__name__}: {exc}", exc_info=exc)
 
     def _end_call(self, data: Mapping[str, Any] | None, via: str) -> Dispatch | None:
         try:
@@ -305,6 +324,11 @@ def _modified(path: str) -> float:
         return os.stat(path).st_mtime
     except OSError:
         return -1.0
+
+
+def _asked_usage(request_data: Any) -> bool:
+    options = request_data.get("stream_options") if isinstance(request_data, dict) else None
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def _litellm_release() -> str:

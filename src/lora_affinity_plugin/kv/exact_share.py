@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .token_blocks import leading
 
 FORMAT = b"K1"
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("lora_affinity")
 
 _POD = struct.Struct("<HBHII")
 """Per pod: name length, flags, block size, keys added, keys removed."""

@@ -89,6 +89,9 @@ def add_ops_arguments(sub) -> None:
     explain.add_argument("--prompt", help="a completion prompt: show each pod's matched prefix for it")
     explain.add_argument("--messages", metavar="FILE", help="a JSON file of chat messages (instead of --prompt)")
     explain.add_argument("--cache-salt", help="the request's cache_salt")
+    explain.add_argument("--chars-per-token", type=float, metavar="R",
+                         help="count the prompt at R characters a token, as a proxy that learned R does (its "
+                              "lora_affinity_pod_chars_per_token); default: the settings' prefix_chars_per_token")
     explain.set_defaults(func=run_explain)
 
     rules = sub.add_parser("rules", help="the rule sets (built-in and the config's profiles) and their parts")
@@ -332,11 +335,17 @@ def run_explain(args: argparse.Namespace) -> int:
         _load_exact_index(client, fleet, settings)
     request = RequestBuilder().build(fleet, args.model, args.model, messages, {"cache_salt": args.cache_salt},
                                      [c.key for c in candidates], settings, args.criticality == "sheddable")
+    if args.chars_per_token is not None:
+        if not 0 < args.chars_per_token <= 64:
+            print("error: --chars-per-token: a number above 0 and at most 64", file=sys.stderr)
+            return 2
+        request.chars_per_token = args.chars_per_token
+    chars_per_token = request.chars_per_token or settings.prefix_chars_per_token
     data: dict = {"model": args.model, "criticality": args.criticality, "settings_version": copy.version if copy else 0,
                   "rule_set": settings.rule_set, "candidates": [c.key for c in candidates],
                   "view": {c.key: {"waiting": c.waiting, "running": c.running, "kv": round(c.kv_cache_usage, 3)}
                            for c in candidates},
-                  "prefix_blocks": request.prefix_blocks,
+                  "prefix_blocks": request.prefix_blocks, "chars_per_token": chars_per_token,
                   "prefix_matches": {c.key: request.prefix_matches.get(c.key, 0) for c in candidates},
                   "match_sources": {c.key: request.match_sources.get(c.key, "inferred") for c in candidates}}
     try:
@@ -360,7 +369,10 @@ def run_explain(args: argparse.Namespace) -> int:
     view = {c.key: c for c in candidates}
     lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
              f"  prompt prefix: {request.prefix_blocks} blocks of {settings.prefix_block_chars} characters"
-             + ("" if request.prefix_blocks else " (none: short prompt, or no --prompt/--messages)"),
+             + (f", about {round(request.prefix_blocks * settings.prefix_block_chars / chars_per_token)} tokens at "
+                f"{chars_per_token:g} characters a token ({'given' if args.chars_per_token else 'the settings'}'; "
+                f"each proxy learns its pods' own: --chars-per-token)" if request.prefix_blocks
+                else " (none: short prompt, or no --prompt/--messages)"),
              "  candidates (waiting, running, KV, active adapters, matched prefix blocks and where that came from):"]
     lines += [f"    {c.key}: {c.waiting}, {c.running}, {c.kv_cache_usage:.2f}, {','.join(sorted(c.active_adapters)) or '-'}, "
               f"{request.prefix_matches.get(c.key, 0)}/{request.prefix_blocks} "

@@ -137,6 +137,9 @@ class RouteRequest:
     `system` or `developer` message): the part that comes back with every request of the app."""
     later_turn: bool = False
     """The prompt carries an earlier turn of its conversation (an `assistant` message)."""
+    chars_per_token: float | None = None
+    """Characters a token of the candidates' tokenizer, learned from their engines' counts (None: not learned, the
+    settings' `prefix_chars_per_token`)."""
     prefilling: Mapping[str, float] = field(default_factory=dict)
     """Seconds each pod should still spend computing the long prompts this gateway sent it (absent: none)."""
 

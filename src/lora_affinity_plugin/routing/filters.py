@@ -134,7 +134,7 @@ class AdmitsNow(Filter):
     name = "admits_now"
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
-        tokens = run.request.prefix_blocks * tokens_per_block(run.settings)
+        tokens = run.request.prefix_blocks * tokens_per_block(run.request, run.settings)
         return fastest([p for p in pods if admits_now(p, tokens)])
 
 
@@ -247,7 +247,7 @@ class DocumentWeights(Filter):
 
 def _is_document(pods: list[Candidate], run: DecisionRun) -> bool:
     """The prompt is large (`LARGE_PROMPT_SHARE`) on some pod: on the smallest cache among those that report theirs."""
-    prompt = run.request.prefix_blocks * tokens_per_block(run.settings)
+    prompt = run.request.prefix_blocks * tokens_per_block(run.request, run.settings)
     return any(large_there(p, prompt) for p in pods)
 
 
@@ -301,7 +301,7 @@ class PrefixAffinityTtft(Filter):
         holders = longest_match_holders(pods, request, settings)
         if not holders or len(holders) == len(pods):
             return pods
-        per_block = tokens_per_block(settings)
+        per_block = tokens_per_block(request, settings)
         prompt = request.prefix_blocks * per_block
         small = [p for p in holders if not large_there(p, prompt)]
         if small:  # a small prompt: its holders keep it while not far busier (a copy costs more than a queue)...
@@ -408,7 +408,7 @@ class LlmdPrefixAffinity(Filter):
         sticky = [p for p in pods if matches.get(p.key, 0) / request.prefix_blocks >= LLMD_STICKY_SCORE]
         if not sticky or len(sticky) == len(pods):
             return pods
-        per_block = tokens_per_block(run.settings)
+        per_block = tokens_per_block(run.request, run.settings)
 
         def start_s(p: Candidate) -> float:
             uncached = (request.prefix_blocks - matches.get(p.key, 0)) * per_block

@@ -29,9 +29,10 @@ def cost_band_edge(least: float, settings: RuleSettings) -> float:
     return max(least + settings.cost_band_ms / 1000, least * (1 + settings.cost_band_ratio))
 
 
-def tokens_per_block(settings: RuleSettings) -> float:
-    """About how many model tokens one prefix block of text holds (the index counts blocks, the cost tokens)."""
-    return settings.prefix_block_chars / settings.prefix_chars_per_token
+def tokens_per_block(request: RouteRequest, settings: RuleSettings) -> float:
+    """About how many model tokens one prefix block of text holds (the index counts blocks, the cost tokens): at
+    the ratio learned from the candidates' engines, else the settings' `prefix_chars_per_token`."""
+    return settings.prefix_block_chars / (request.chars_per_token or settings.prefix_chars_per_token)
 
 
 def admits_now(p: Candidate, tokens: float) -> bool:
@@ -63,7 +64,7 @@ def pod_cost(p: Candidate, request: RouteRequest, settings: RuleSettings, best_m
              parts: bool = False) -> tuple[float, float, float, float] | CostParts:
     """The request's estimated cost on `p` (`cost.py`): the four terms, or with `parts` what `explain` prints.
     `best_match`: the longest prefix any pod holds (a shorter one here copies the rest a second time)."""
-    per_block = tokens_per_block(settings)
+    per_block = tokens_per_block(request, settings)
     held = request.prefix_matches.get(p.key, 0)
     return (estimate if parts else cost_terms)(
         waiting=p.waiting, queued=min(p.reported_waiting, p.waiting), running=p.running, rates=p.rates,
@@ -127,7 +128,7 @@ def computing_tokens(p: Candidate, request: RouteRequest) -> float:
 def prefill_estimate_s(p: Candidate, request: RouteRequest, settings: RuleSettings) -> float:
     """The request's prefill on `p`: the tokens of its prompt `p` does not hold, at `p`'s learned speed."""
     held = request.prefix_matches.get(p.key, 0)
-    return p.rates.prefill_s((request.prefix_blocks - held) * tokens_per_block(settings))
+    return p.rates.prefill_s((request.prefix_blocks - held) * tokens_per_block(request, settings))
 
 
 def _first_token_s(p: Candidate, request: RouteRequest, settings: RuleSettings) -> float:
@@ -148,7 +149,7 @@ def outpaced(warm: list[Candidate], pods: list[Candidate], request: RouteRequest
     faster = [p for p in pods if p.slowness < least_slowness and p.key not in request.prefix_matches]
     if not faster:
         return False
-    whole = request.prefix_blocks * tokens_per_block(settings)
+    whole = request.prefix_blocks * tokens_per_block(request, settings)
     starts = [(_first_token_s(p, request, settings), p) for p in faster if admits_now(p, whole)]
     if not starts:
         return False
@@ -223,7 +224,7 @@ def starts_sooner_elsewhere(pods: list[Candidate], roomy: list[Candidate], reque
     (`waits_for_room`): then the saved prefill is worth less than the wait. In a saturated fleet no pod admits
     it at once and the adapter stays with its holders; it is the long prompts of an adapter's tail that this
     moves off a full pod."""
-    per_block = tokens_per_block(settings)
+    per_block = tokens_per_block(request, settings)
     matches = request.prefix_matches
     prompt = request.prefix_blocks * per_block
 

@@ -92,7 +92,7 @@ class DynamoCost(Scorer):
 
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
         request = run.request
-        per_block = tokens_per_block(run.settings)
+        per_block = tokens_per_block(request, run.settings)
         out = []
         for p in pods:
             uncached = request.prefix_blocks - request.prefix_matches.get(p.key, 0)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s, expected_step_s
 from .decision import Candidate, RouteRequest, RuleSettings
+from .placement import tokens_per_block
 from .podstate import PREFILL_S_PER_TOKEN
 
 SCARCE_SLOTS = 0.75
@@ -101,7 +102,7 @@ def slots_in_use(pods: list[Candidate]) -> float:
 
 def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> dict[str, Prediction]:
     """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
-    per_block = settings.prefix_block_chars / settings.prefix_chars_per_token
+    per_block = tokens_per_block(request, settings)
     best_match = max(request.prefix_matches.values(), default=0)
     scarce = adapter_slots_scarce(pods, request)
     output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None

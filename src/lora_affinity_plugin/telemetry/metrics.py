@@ -48,6 +48,9 @@ POD_KV = Gauge("lora_affinity_pod_kv_cache_usage", "The pod's KV-cache use (0-1)
 POD_ADAPTERS = Gauge("lora_affinity_pod_active_adapters", "Adapters running or waiting on the pod, last scrape", ["pod"])
 POD_MAX_LORA = Gauge("lora_affinity_pod_max_lora", "The pod's --max-loras, when its page says", ["pod"])
 INFLIGHT = Gauge("lora_affinity_inflight_requests", "Requests this process sent to a pod that have not ended", ["pod"])
+POD_CHARS_PER_TOKEN = Gauge("lora_affinity_pod_chars_per_token",
+                            "Characters a token on the pod, learned from its engine's prompt token counts "
+                            "(learn_chars_per_token; absent until learned)", ["pod"])
 POD_REFUSED = Counter("lora_affinity_pod_connection_refused_total",
                       "Requests that could not connect to the pod (it leaves routing until a later scrape reads it)",
                       ["pod"])

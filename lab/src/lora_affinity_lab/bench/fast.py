@@ -212,7 +212,8 @@ def run_fast(scenario: Scenario, strategy: str, seed: int = 1, gateways: int = 1
         entry = seqs.pop(index, None)
         if entry is not None:
             free_connections.append(entry[2])
-            policies[(index if prefix_load else entry[2]) % gateways].ended(str(index))
+            policies[(index if prefix_load else entry[2]) % gateways].ended(
+                str(index), entry[0].prompt_tokens if outcome.ok else None)
         if prefix_load is not None:
             req = requested[index]
             nxt = prefix_load.follow_up(req, "x " * outcome.output_tokens, now)

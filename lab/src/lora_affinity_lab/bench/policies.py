@@ -189,7 +189,7 @@ class Rules(Policy):
             self.fallbacks += 1
             return self.rng.randrange(self.replicas)
         self.last = (decision, candidates, request)
-        self.fleet.note_dispatch(decision.pod, adapter, now, call_id)
+        self.fleet.note_dispatch(decision.pod, adapter, now, call_id, request.prefix_blocks)
         if request.prefix_hashes:
             chosen = next(c for c in candidates if c.key == decision.pod)
             self.fleet.note_prefix(decision.pod, request.prefix_hashes, now,
@@ -219,8 +219,10 @@ class Rules(Policy):
         for pod, at, hashes in entries:
             self.fleet.prefixes.add_shared(pod, hashes, at)
 
-    def ended(self, call_id: str) -> None:
-        self.fleet.end(call_id)
+    def ended(self, call_id: str, prompt_tokens: int | None = None) -> None:
+        served = self.fleet.end(call_id)
+        if served is not None and prompt_tokens:  # what a response's `usage.prompt_tokens` says
+            self.fleet.learn_prompt(served, prompt_tokens)
 
     def share(self) -> PeerShare | None:
         if not self.settings.share_inflight:
@@ -303,7 +305,9 @@ class PrefixPartition(Policy):
         return self.home[group]
 
 
-GIE_V02 = {"rule_set": "gie-v0.2", "count_dispatches": False, "remember_residency": False}
+FIXED_TOKENS = {"learn_chars_per_token": False}
+"""The peers count a prompt's tokens at a fixed ratio (or by its tokenizer, with KV events)."""
+GIE_V02 = {"rule_set": "gie-v0.2", "count_dispatches": False, "remember_residency": False, **FIXED_TOKENS}
 STRATEGY_NAMES = [
     "per-connection-random", "simple-shuffle", "least-busy", "latency-based-routing", "usage-based-routing-v2",
     "seed-picker", "gie-v0.2", "lora-affinity-unshared", "lora-affinity",
@@ -313,9 +317,10 @@ UNSHARED = {"share_inflight": False, "share_prefixes": False}
 NO_PREFIX = {"prefix_affinity": False}
 NO_SHEDDING = {"shedding": False}
 LLMD_PREFIX = {"rule_set": "llmd-prefix", "count_dispatches": False, "remember_residency": False,
-               "share_inflight": False, "share_prefixes": False}
+               "share_inflight": False, "share_prefixes": False, **FIXED_TOKENS}
 """The llm-d router: scores on scraped metrics; each router replica keeps its own index."""
-SGLANG_CACHE_AWARE = {"rule_set": "sglang-cache-aware", "share_inflight": False, "share_prefixes": False}
+SGLANG_CACHE_AWARE = {"rule_set": "sglang-cache-aware", "share_inflight": False, "share_prefixes": False,
+                      **FIXED_TOKENS}
 """SGLang's router: counts its own requests in flight; a tree per router replica (no mesh)."""
 PREFIX_STRATEGIES = ["simple-shuffle", "least-busy", "gie-v0.2", "llmd-prefix", "sglang-cache-aware",
                      "lora-affinity-noprefix", "lora-affinity-v1", "lora-affinity"]
@@ -330,8 +335,8 @@ RULE_SETS = {"predicted-ttft": {"rule_set": "predicted-ttft"}, "predicted-ttft-e
              "gie-v0.2": GIE_V02, "lora-affinity": {}, "lora-affinity-unshared": UNSHARED,
              "lora-affinity-exact": EXACT, "exact-state-oracle": EXACT,
              "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE,
-             "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1"},
-             "llmd-affinity": {**LLMD_PREFIX, "rule_set": "llmd-affinity"}, "aibrix-prefix": {"rule_set": "aibrix-prefix"}}
+             "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1", **FIXED_TOKENS},
+             "llmd-affinity": {**LLMD_PREFIX, "rule_set": "llmd-affinity"}, "aibrix-prefix": {"rule_set": "aibrix-prefix", **FIXED_TOKENS}}
 """Strategies that are the plugin's own code with these settings (in fast mode and live)."""
 
 

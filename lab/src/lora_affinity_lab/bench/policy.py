@@ -28,8 +28,9 @@ class Policy:
     def completed(self, replica: int, now: float, latency_s: float, tokens: int) -> None:
         pass
 
-    def ended(self, call_id: str) -> None:
-        """A request this gateway routed has ended (finished or timed out)."""
+    def ended(self, call_id: str, prompt_tokens: int | None = None) -> None:
+        """A request this gateway routed has ended (finished or timed out); `prompt_tokens`: its prompt's tokens,
+        as the engine's answer reports them (None: it gave no answer)."""
 
     def share(self) -> PeerShare | None:
         """What this gateway shares with its peers through Redis, if anything."""
