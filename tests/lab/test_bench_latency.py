@@ -75,6 +75,26 @@ def test_seed_intervals_compares_two_runs_row_by_row(tmp_path):
     assert lines[1].startswith("least-busy") and "1.00x [1.00-1.00]" in lines[1] and "lower in 0 seeds, higher in 0" in lines[1]
 
 
+def test_variant_rows_pairs_each_strategy_against_the_last_by_seed():
+    """`bench-tools/variant_rows.py`: a strategy against itself reads 1.00 paired; a setting that changes the routing
+    moves it; the docs' rows are read with their rates."""
+    out = run_bench_tool("variant_rows.py", "mixes#111@4.447",
+                         "lora-affinity@learn_chars_per_token=false;prefix_chars_per_token=4,least-busy,"
+                         "lora-affinity@learn_chars_per_token=false",
+                         "2").splitlines()
+    row = next(line for line in out if line.startswith("mixes#111@4.447"))
+    cells = row.split(" | ")[1:]
+    assert len(cells) == 3 and cells[0] == cells[2] and cells[0].endswith("paired 1.00")  # (4 is the default)
+    assert not cells[1].endswith("paired 1.00")  # least-busy routes otherwise
+    assert out[-2].startswith("  mixes: ") and out[-1].startswith("  all: ")
+    sys.path.insert(0, str(BENCH_TOOLS))
+    try:
+        from variant_rows import parse_rows
+    finally:
+        sys.path.pop(0)
+    assert "documents#121@0.656" in parse_rows("docs") and len(parse_rows("docs")) > 40
+
+
 def test_replica_timeline_prints_a_half_speed_replica_s_rates_as_they_arrive():
     lines = run_bench_tool("replica_timeline.py", "2.5", "1", "r1").splitlines()
     assert lines[0].startswith("  0.0 s") and "learned False" in lines[0]

@@ -161,7 +161,7 @@ class FleetView:
                                           self.settings.prefix_max_chars):
             return False
         if learning and (learned := self.prompt_tokens.chars_per_token(served.pod)) is not None:
-            logger.info("pod %s: %.2f characters a token, learned from its engine's prompt token counts (until now "
+            logger.debug("pod %s: %.2f characters a token, learned from its engine's prompt token counts (until now "
                         "prefix_chars_per_token, %s)", served.pod, learned, self.settings.prefix_chars_per_token)
         return True
 
