@@ -38,6 +38,8 @@ class PromptTokens:
 
     def __init__(self) -> None:
         self._pods: dict[str, _Sums] = {}
+        self._ratios: dict[str, float] = {}
+        """The learned pods' ratios, kept as they change: what a request reads (`for_pods`), one lookup a pod."""
 
     def observe(self, pod: str, blocks: int, prompt_tokens: object, block_chars: int, max_chars: int) -> bool:
         """A request of `blocks` prefix blocks of `block_chars` bytes held `prompt_tokens` on `pod`'s engine.
@@ -56,26 +58,23 @@ class PromptTokens:
             sums = self._pods[pod] = _Sums()
         sums.chars = sums.chars * KEEP + chars
         sums.tokens = sums.tokens * KEEP + prompt_tokens
+        if sums.chars >= LEARNED_AFTER_CHARS:
+            self._ratios[pod] = sums.chars / sums.tokens
         return True
 
     def chars_per_token(self, pod: str) -> float | None:
         """`pod`'s learned ratio; None until `LEARNED_AFTER_CHARS` have been counted there."""
-        sums = self._pods.get(pod)
-        if sums is None or sums.chars < LEARNED_AFTER_CHARS:
-            return None
-        return sums.chars / sums.tokens
+        return self._ratios.get(pod)
 
     def learned(self) -> dict[str, float]:
         """Every pod's learned ratio (the pods still learning left out)."""
-        return {pod: ratio for pod in self._pods if (ratio := self.chars_per_token(pod)) is not None}
+        return dict(self._ratios)
 
     def for_pods(self, pods: Iterable[str]) -> float | None:
         """The ratio a request to one of `pods` is counted at: the mean of their learned ones (the pods of one model
         group share a tokenizer); None while none has learned one."""
-        total, count = 0.0, 0
-        for pod in pods:
-            ratio = self.chars_per_token(pod)
-            if ratio is not None:
-                total += ratio
-                count += 1
-        return total / count if count else None
+        ratios = self._ratios
+        if not ratios:
+            return None
+        learned = [ratio for ratio in map(ratios.get, pods) if ratio is not None]
+        return sum(learned) / len(learned) if learned else None
