@@ -107,3 +107,48 @@ def test_the_learned_ratio_moves_the_prediction_and_what_counts_as_a_document():
     four, two = predictions([pod], at_four, settings)["p"], predictions([pod], at_two, settings)["p"]
     assert four.uncached_tokens == 6400 and two.uncached_tokens == 12_800
     assert two.prefill_s > 1.9 * four.prefill_s
+
+
+class _Raising:
+    @property
+    def usage(self):
+        raise RuntimeError("a response object that breaks on reading")
+
+
+async def test_the_proxy_reads_counts_from_answers_and_streams_that_asked_and_no_odd_answer_fails_a_request():
+    """`ProxyPlugin`'s ending hooks: a plain answer's `usage`, a stream's last chunk only where the request asked the
+    engine for usage; an answer with no count, a malformed one or one that raises on reading ends the call and
+    teaches nothing, and never raises into LiteLLM."""
+    from types import SimpleNamespace
+
+    from lora_affinity_plugin.host.proxy_callback import ProxyPlugin
+
+    plugin = ProxyPlugin()
+    try:
+        fleet = plugin._fleet = FleetView(S)
+        sums = fleet.prompt_tokens._pods
+
+        def sent(call_id: str) -> dict:
+            fleet.note_dispatch("a", None, 100.0, call_id, blocks=10)
+            return {"litellm_call_id": call_id}
+
+        for i, odd in enumerate([None, {}, {"usage": "many"}, {"usage": {"prompt_tokens": "853"}}, _Raising(),
+                                 SimpleNamespace(usage=SimpleNamespace(prompt_tokens=-1))]):
+            assert await plugin.async_post_call_success_deployment_hook(sent(f"odd-{i}"), odd, "acompletion") is None
+            assert fleet.inflight.get(f"odd-{i}") is None and not sums  # ended, nothing learned
+        await plugin.async_post_call_success_deployment_hook(
+            sent("plain"), SimpleNamespace(usage=SimpleNamespace(prompt_tokens=900)), "acompletion")
+        assert sums["a"].tokens == 900
+
+        async def stream():
+            yield SimpleNamespace(usage=None)
+            yield SimpleNamespace(usage=SimpleNamespace(prompt_tokens=900))
+
+        unasked = {**sent("stream-unasked"), "stream": True}
+        assert len([c async for c in plugin.async_post_call_streaming_iterator_hook(None, stream(), unasked)]) == 2
+        assert fleet.inflight.get("stream-unasked") is None and sums["a"].tokens == 900  # (maybe LiteLLM's own guess)
+        asked = {**sent("stream-asked"), "stream": True, "stream_options": {"include_usage": True}}
+        assert len([c async for c in plugin.async_post_call_streaming_iterator_hook(None, stream(), asked)]) == 2
+        assert sums["a"].tokens > 1700  # 900 faded by 1%, plus 900
+    finally:
+        plugin._watcher and plugin._watcher.cancel()
