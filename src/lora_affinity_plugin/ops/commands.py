@@ -37,6 +37,7 @@ from ..kv.exact_share import (
     snapshot_part_keys,
 )
 from ..kv.prefix_index import decode_entries
+from ..routing.placement import tokens_per_block
 from ..routing.profiles import BUILT_IN, STEP_KINDS, describe, part_names
 from ..routing.scheduling import SchedulingError, choose_pod
 from ..routing.ttft import predictions
@@ -341,6 +342,7 @@ def run_explain(args: argparse.Namespace) -> int:
             return 2
         request.chars_per_token = args.chars_per_token
     chars_per_token = request.chars_per_token or settings.prefix_chars_per_token
+    ratio_source = "given" if args.chars_per_token is not None else "the settings'"
     data: dict = {"model": args.model, "criticality": args.criticality, "settings_version": copy.version if copy else 0,
                   "rule_set": settings.rule_set, "candidates": [c.key for c in candidates],
                   "view": {c.key: {"waiting": c.waiting, "running": c.running, "kv": round(c.kv_cache_usage, 3)}
@@ -369,8 +371,8 @@ def run_explain(args: argparse.Namespace) -> int:
     view = {c.key: c for c in candidates}
     lines = [f"{args.model} ({args.criticality}), rule set {settings.rule_set}, settings v{data['settings_version']}",
              f"  prompt prefix: {request.prefix_blocks} blocks of {settings.prefix_block_chars} characters"
-             + (f", about {round(request.prefix_blocks * settings.prefix_block_chars / chars_per_token)} tokens at "
-                f"{chars_per_token:g} characters a token ({'given' if args.chars_per_token else 'the settings'}'; "
+             + (f", about {round(request.prefix_blocks * tokens_per_block(request, settings))} tokens at "
+                f"{chars_per_token:g} characters a token ({ratio_source}; "
                 f"each proxy learns its pods' own: --chars-per-token)" if request.prefix_blocks
                 else " (none: short prompt, or no --prompt/--messages)"),
              "  candidates (waiting, running, KV, active adapters, matched prefix blocks and where that came from):"]
