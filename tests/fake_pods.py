@@ -40,6 +40,8 @@ def metrics_page(state: dict, in_flight: int = 0) -> str:
         "# TYPE vllm:lora_requests_info gauge",
         f'vllm:lora_requests_info{{max_lora="{state.get("max_lora", 4)}",running_lora_adapters="{running}",'
         f'waiting_lora_adapters="{waiting}"}} {time.time()}',
+        *([f'vllm:cache_config_info{{block_size="16",enable_prefix_caching="True",num_gpu_blocks="{blocks}"}} 1.0']
+          if (blocks := state.get("num_gpu_blocks")) else []),
         "",
     ])
 

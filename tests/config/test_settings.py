@@ -33,7 +33,7 @@ def test_config_section_env_refs_and_env_overrides():
     ({"lora_affinity_threshold": -0.1}, "lora_affinity_threshold", "greater than or equal to 0"),
     ({"queueing_threshold_lora": "many"}, "queueing_threshold_lora", "valid integer"),
     ({"scrape_interval_ms": 1}, "scrape_interval_ms", "greater than or equal to 10"),
-    ({"rule_set": "round-robin"}, "rule_set", "is not a rule set; choose from: lora-affinity, lora-affinity-v1, gie-v0.2"),
+    ({"rule_set": "round-robin"}, "rule_set", "is not a rule set; choose from: lora-affinity, lora-affinity-tree, lora-affinity-v1, gie-v0.2"),
     ({"redis_url": "http://x"}, "redis_url", "redis://"),
     ({"queue_treshold_critical": 3}, "queue_treshold_critical", "unknown setting"),
 ])

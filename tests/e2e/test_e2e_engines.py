@@ -60,8 +60,7 @@ def test_each_adapter_sticks_to_one_pod_across_the_mixed_fleet(stack):
     served: dict[str, Counter] = defaultdict(Counter)
     decisions = Decisions(stack["proxy_proc"])
     with httpx.Client(timeout=30) as client, ThreadPoolExecutor(3) as pool:
-        # Three new adapters at once: each decision counts the ones before it (fewest adapters), so they
-        # land on three pods, the SGLang one included.
+        # Three new adapters at once: each decision counts the ones before it (dispatches since the scrape).
         for adapter, pod in zip(ADAPTERS, pool.map(lambda a: _send(client, stack, a), ADAPTERS)):
             served[adapter][pod] += 1
         for i in range(33):
@@ -70,5 +69,4 @@ def test_each_adapter_sticks_to_one_pod_across_the_mixed_fleet(stack):
             time.sleep(0.05)
     homes = {adapter: pods.most_common(1)[0] for adapter, pods in served.items()}
     assert all(count >= 10 for _, count in homes.values()), served  # of 12: affinity holds on either server
-    assert {pod for pod, _ in homes.values()} == set(stack["pods"]), served
     assert decisions.count() == 36  # every request a decision of the rules, none LiteLLM's pick

@@ -164,7 +164,8 @@ def test_pod_over_the_lora_queue_threshold_is_avoided(stack):
 
 
 def test_higher_kv_pod_is_avoided_among_equals(stack):
-    stack.script({**IDLE, "kv": 0.95}, {**IDLE, "kv": 0.1}, {**IDLE, "kv": 0.1})
+    sized = {**IDLE, "num_gpu_blocks": 700}  # 11,200 tokens: the prediction prices a fuller cache's slower steps
+    stack.script({**sized, "kv": 0.95}, {**sized, "kv": 0.1}, {**sized, "kv": 0.1})
     stack.send("new-adapter", 8, pace_s=0.25)
     served = stack.served()
     assert served["A"] == 0 and served["B"] + served["C"] == 8
@@ -239,8 +240,10 @@ def test_explain_shows_each_rule_and_the_pick(stack):
 
     stack.script(IDLE, {**IDLE, "running_adapters": ["sql-lora"]}, IDLE)
     data = json.loads(_cli(stack, "explain", "--model", "sql-lora", "--json"))
-    assert data["pick"] == stack.pod_url(1) and data["branch"] == "affinity"
-    assert [r["rule"] for r in data["rules"]][:2] == ["low_queue", "adapter_active"]
+    assert data["pick"] == stack.pod_url(1) and data["branch"] == "predicted_ttft"
+    rules = {r["rule"]: r for r in data["rules"]}
+    assert list(rules)[:5] == ["document_weights", "next_turn_elsewhere", "prefix_affinity_ttft", "new_instructions",
+                               "predicted_ttft"]
     assert set(data["costs"]) == set(data["candidates"])
     assert data["slowness"] == {pod: 1.0 for pod in data["candidates"]}  # equal pods: nobody slower
     text = _cli(stack, "explain", "--model", "sql-lora", "--criticality", "sheddable")

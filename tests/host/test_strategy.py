@@ -38,6 +38,11 @@ def record(pod, running=(), waiting=0, kv=0.1, models=("base-model",)):
         running_lora_adapters=frozenset(running), max_lora=4, model_names=frozenset(models)))
 
 
+SLOTS_FULL = frozenset({"a1", "a2", "a3", "a4"})
+"""Other adapters in every LoRA slot of a pod (max_lora 4): an adapter not running there would wait for a slot, so
+its holder is the clear choice under any rule set."""
+
+
 def make(model_list=None, **settings):
     router = litellm.Router(model_list=model_list or wildcard_list(), num_retries=0)
     s = build_settings(settings)
@@ -54,7 +59,7 @@ async def route(router, model, **kwargs):
 
 async def test_routes_to_the_pod_running_the_adapter_whatever_the_provider_prefix():
     router, strat, fleet = make(wildcard_list(("hosted_vllm", "openai", "hosted_vllm")))
-    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else SLOTS_FULL) for p in PODS})
     assert {await route(router, "sql-lora") for _ in range(5)} == {PODS[1]}
     assert strat.decisions == 5 and strat.fallbacks == 0
 
@@ -108,7 +113,8 @@ async def test_named_groups_and_explicit_adapter_field():
          "model_info": {"lora_adapter": "tweet-summary"}},
     ]
     router, strat, fleet = make(model_list)
-    fleet.update({PODS[0]: record(PODS[0], running={"tweet-summary"}), PODS[1]: record(PODS[1], running={"sql-lora"})})
+    fleet.update({PODS[0]: record(PODS[0], running={"tweet-summary", "a2", "a3", "a4"}),
+                  PODS[1]: record(PODS[1], running={"sql-lora", "b2", "b3", "b4"})})
     assert {await route(router, "sql") for _ in range(4)} == {PODS[1].removesuffix("/v1/")}
     dep = await compat.router_pick(router, "tweets", {})
     assert dep["litellm_params"]["api_base"] == PODS[0]
@@ -282,7 +288,7 @@ async def test_model_group_override_changes_only_that_group():
 
 async def test_a_retry_of_the_same_call_goes_to_another_pod():
     router, strat, fleet = make()
-    fleet.update({p: record(p, running={"x"} if p == PODS[0] else ()) for p in PODS})
+    fleet.update({p: record(p, running={"x"} if p == PODS[0] else SLOTS_FULL) for p in PODS})
     first = strat.pick("x", compat.model_list(router), {"litellm_call_id": "call-1"})
     retry = strat.pick("x", compat.model_list(router), {"litellm_call_id": "call-1"})
     other = strat.pick("x", compat.model_list(router), {"litellm_call_id": "call-2"})
@@ -400,7 +406,7 @@ async def test_routing_reads_no_deprecated_router_member():
     plugin reading one per request would flood a proxy's warnings and its deprecation counts. Whatever release is
     installed, routing warns nothing (`compat.model_list`, `compat.healthy_deployments`)."""
     router, strat, fleet = make()
-    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else SLOTS_FULL) for p in PODS})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -414,7 +420,7 @@ def test_the_sync_path_is_left_to_litellm_and_warns_nothing():
     """`router.completion` (sync) has no event loop to keep metrics fresh: LiteLLM picks (simple-shuffle), through
     calls that are not deprecated on the installed release."""
     router, strat, fleet = make()
-    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else ()) for p in PODS})
+    fleet.update({p: record(p, running={"sql-lora"} if p == PODS[1] else SLOTS_FULL) for p in PODS})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         reply = router.completion(model="sql-lora", messages=[{"role": "user", "content": "x"}], mock_response="hi")

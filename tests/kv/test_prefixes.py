@@ -29,7 +29,7 @@ from lora_affinity_plugin.config.settings import build_settings
 from lora_affinity_plugin.fleet.store import PodRecord
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1,100 characters
-S = build_settings({}, environ={})
+S = build_settings({"rule_set": "lora-affinity-tree"}, environ={})  # the tree's rules for prefixes
 
 
 def chat(*contents: str) -> list[dict]:
@@ -255,7 +255,7 @@ def test_new_prefixes_go_where_the_cache_holds_least_and_gateways_agree():
 
 
 def test_prefix_affinity_off_ignores_matches():
-    off = build_settings({"prefix_affinity": False}, environ={})
+    off = build_settings({"rule_set": "lora-affinity-tree", "prefix_affinity": False}, environ={})
     pods = [pod("a", waiting=3), pod("b", waiting=0)]
     assert choose_pod(pods, request({"a": 8}), off, random.Random(1)).branch == "base_model"
 
@@ -509,7 +509,7 @@ def test_an_unseen_long_prompt_goes_to_a_holder_of_its_adapter_that_admits_it_at
     unseen = RouteRequest("sql", prefix_blocks=31, placement_key=7)
     decision = choose_pod([queued, roomy, full], unseen, S, random.Random(1))
     assert (decision.pod, decision.branch) == ("b", "affinity")
-    off = build_settings({"disabled_rules": ["admits_now"]}, environ={})
+    off = build_settings({"rule_set": "lora-affinity-tree", "disabled_rules": ["admits_now"]}, environ={})
     assert choose_pod([queued, roomy, full], unseen, off, random.Random(1)).pod == "a"  # the band alone
     # Its prefix held on the queued pod, not far busier than the least loaded: the prefix rules judge that
     # queue (the prefill saved), not this rule. (Beside the idle `c`, `a` is far busier: the prompt is new.)

@@ -114,11 +114,13 @@ def test_a_scraper_that_joins_every_pod_afresh_leaves_the_exact_rules_level_with
     from lora_affinity_plugin.kv.exact_share import HeldBlocks
 
     scenario = at_rate(replace(get_scenario("kv-pressure-rejoin"), duration_s=300.0), 0.75)
+    tree = {"rule_set": "lora-affinity-tree"}  # its prefix rules follow every match; the prediction weighs them
     for seed in (1, 2):
-        inferred, floor = (run_fast(scenario, name, seed=seed) for name in ("lora-affinity", "lora-affinity-exact"))
+        inferred, floor = (run_fast(scenario, name, seed=seed, overrides=tree)
+                           for name in ("lora-affinity", "lora-affinity-exact"))
         with monkeypatch.context() as patch:
             patch.setattr(HeldBlocks, "partial", lambda self, pod: False)  # the figures taken as exact
-            as_exact = run_fast(scenario, "lora-affinity-exact", seed=seed)
+            as_exact = run_fast(scenario, "lora-affinity-exact", seed=seed, overrides=tree)
         assert inferred.errors == floor.errors == as_exact.errors == 0
         assert floor.hit_rate >= inferred.hit_rate - 0.01, (seed, floor.hit_rate, inferred.hit_rate)
         assert as_exact.hit_rate <= floor.hit_rate - 0.01, (seed, as_exact.hit_rate, floor.hit_rate)

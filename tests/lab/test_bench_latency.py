@@ -119,15 +119,16 @@ def test_disk_reloads_counts_the_loads_from_disk_and_none_when_every_adapter_fit
 
 
 def test_ttft_causes_charges_each_wait_to_one_cause_and_the_oracle_sees_replicas_now():
-    """`bench-tools/ttft_causes.py`: where mixed's TTFT goes. Past the knee the requests over 1 s mostly wait for
+    """`bench-tools/ttft_causes.py`: where mixed's TTFT goes. Past the knee, under the tree of rules (the default's
+    requests wait for LoRA slots instead, docs/benchmarks.md), the requests over 1 s mostly wait for
     room in a replica's KV cache; the causes add up to most of each request's TTFT, never more; a rule that sends
     nothing to a full replica (`--oracle fit`) cuts that wait, and trades it for waits for a LoRA slot."""
     def causes(output: str, label: str) -> tuple[float, list[float]]:
         row = re.search(rf"^  {label} +\d+ +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)$", output, re.M)
         return float(row.group(1)), [float(x) for x in row.groups()[1:]]
 
-    scraped = run_bench_tool("ttft_causes.py", "mixed", "4.4", "2")
-    fit = run_bench_tool("ttft_causes.py", "mixed", "4.4", "2", "--oracle", "fit")
+    scraped = run_bench_tool("ttft_causes.py", "mixed", "4.4", "2", "lora-affinity-tree")
+    fit = run_bench_tool("ttft_causes.py", "mixed", "4.4", "2", "lora-affinity-tree", "--oracle", "fit")
     assert "oracle fit" in fit and "oracle" not in scraped
     ttft, parts = causes(scraped, "all")
     assert 0.6 * ttft < sum(parts) <= ttft  # the rest: the part of the step in flight when the request arrived

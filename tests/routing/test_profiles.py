@@ -118,8 +118,11 @@ def test_every_built_in_rule_set_is_described_part_by_part():
     for name, steps in BUILT_IN.items():
         lines = describe(steps)
         assert lines and lines[-1].strip(), name
-    text = "\n".join(describe(BUILT_IN["lora-affinity"]))
+    text = "\n".join(describe(BUILT_IN["lora-affinity-tree"]))
     assert "if base_model:" in text and "least_cost  [scorer]" in text and "pick_placement" in text
+    default = "\n".join(describe(BUILT_IN["lora-affinity"]))
+    assert "predicted_ttft  [scorer]" in default and "if " not in default  # one estimate, no tree
+    assert BUILT_IN["lora-affinity"] == BUILT_IN["predicted-ttft"]
 
 
 LAYERS = ["telemetry", "kv", "routing", "config", "fleet", "scraping", "host", "ops"]

@@ -15,7 +15,7 @@ from lora_affinity_lab.sim.engine import EngineConfig, ReplicaEngine, Sequence
 from lora_affinity_plugin.fleet.store import PodRecord
 import paths
 
-S = build_settings({}, environ={})
+S = build_settings({"rule_set": "lora-affinity-tree"}, environ={})
 FIXTURES = paths.FIXTURES / "vllm-metrics"  # real pages (see its README.txt)
 
 

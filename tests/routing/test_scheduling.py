@@ -10,7 +10,7 @@ from lora_affinity_plugin.routing.scheduling import Candidate, NoCapacity, Route
 from lora_affinity_plugin.config.settings import build_settings
 
 GIE = build_settings({"rule_set": "gie-v0.2"})
-OURS = build_settings({"rule_set": "lora-affinity"})
+OURS = build_settings({"rule_set": "lora-affinity-tree"})
 
 
 def pod(key, waiting=0, running=0, kv=0.0, active=(), resident=(), max_lora=4):
@@ -82,33 +82,33 @@ GIE_CASES = [
         RouteRequest("x", sheddable=True), GIE, {"c"}, "low_queue",
     ),
     (
-        "lora-affinity: a holder within the spill margin keeps the adapter",
+        "lora-affinity-tree: a holder within the spill margin keeps the adapter",
         [pod("a", running=3, active={"x"}), pod("b"), pod("c")],
         RouteRequest("x"), OURS, {"a"}, "affinity",
     ),
     (
-        "lora-affinity: a holder clearly busier than the fleet spills to a fresh pod",
+        "lora-affinity-tree: a holder clearly busier than the fleet spills to a fresh pod",
         [pod("a", running=20, active={"x"}), pod("b", running=2, active={"y"}), pod("c", running=2, active={"p", "q", "r", "s"})],
         RouteRequest("x"), OURS, {"b"}, "spill",
     ),
     (
-        "lora-affinity: placement prefers a pod that still holds the adapter",
+        "lora-affinity-tree: placement prefers a pod that still holds the adapter",
         [pod("a", resident={"x"}), pod("b"), pod("c")],
         RouteRequest("x"), OURS, {"a"}, "place",
     ),
     (
-        "lora-affinity: placement packs onto the pod running fewer adapters",
+        "lora-affinity-tree: placement packs onto the pod running fewer adapters",
         [pod("a", running=2, active={"p", "q"}), pod("b", running=2, active={"p"}), pod("c", running=2, active={"p", "q", "r"})],
         RouteRequest("x"), OURS, {"b"}, "place",
     ),
     (
-        "lora-affinity: no free slot anywhere -> fewest adapters, then least load",
+        "lora-affinity-tree: no free slot anywhere -> fewest adapters, then least load",
         [pod("a", running=9, active={"p", "q", "r", "s"}), pod("b", running=1, active={"p", "q", "r", "s"}),
          pod("c", running=30, active={"p", "q", "r", "s", "t"})],
         RouteRequest("x"), OURS, {"b"}, "place",
     ),
     (
-        "lora-affinity: base model balances by load",
+        "lora-affinity-tree: base model balances by load",
         [pod("a", running=8, active={"x"}), pod("b", running=1)],
         RouteRequest(None), OURS, {"b"}, "base_model",
     ),

@@ -164,7 +164,7 @@ def test_a_document_goes_where_llmds_weights_rate_best_once_the_caches_are_half_
     assert decision.pod == "batch"
     assert decision.trace[0] == ("document_weights", ("batch",), {"batch": -3.1, "small": -2.7})
     assert choose(0.25, 0.45, 40).pod == "small"  # caches 35% full: room is plentiful, the estimate decides
-    assert choose(0.45, 0.65, 8).pod == "small"  # 512 tokens: not a document
+    assert choose(0.45, 0.65, 8).trace[0][1] == ("batch", "small")  # 512 tokens: not a document, the estimate decides
     off = build_settings({"rule_set": "predicted-ttft", "prefix_affinity": False}, environ={})
     assert choose(0.45, 0.65, 40, off).pod == "small"
     disabled = build_settings({"rule_set": "predicted-ttft", "disabled_rules": ["document_weights"]}, environ={})

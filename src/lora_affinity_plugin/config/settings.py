@@ -108,25 +108,27 @@ class Settings(BaseModel):
     traffic before switching."""
     response_headers: bool = False
     """On: each response the plugin routed names where it went and why, in `x-lora-affinity-pod` and
-    `x-lora-affinity-reason` (the decision's branch, e.g. `prefix` or `affinity`; `explain` and docs/routing.md
-    say what each means). Off by default: a client then learns nothing of the fleet."""
+    `x-lora-affinity-reason` (the decision's branch: `predicted_ttft` under the default, `prefix` or `affinity`
+    under `lora-affinity-tree`; `explain` and docs/routing.md say what each means). Off by default: a client then
+    learns nothing of the fleet."""
     rule_set: str = "lora-affinity"
-    """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, `predicted-ttft` (the least
-    predicted time to first token; experimental), `lora-affinity-v1` (the previous one), `gie-v0.2` (the endpoint
-    picker's, unchanged), the peers' `llmd-prefix`, `llmd-weights`, `llmd-precise`, `dynamo` and
-    `sglang-cache-aware`, kept as references, or one of `profiles`."""
+    """The rule set (a profile of parts, `lora-affinity profiles` lists them): ours, the least predicted time to
+    first token (`predicted-ttft` is another name for it); `lora-affinity-tree` (the previous one, a tree of rules),
+    `lora-affinity-v1` (the one before), `gie-v0.2` (the endpoint picker's, unchanged), the peers' `llmd-prefix`,
+    `llmd-weights`, `llmd-precise`, `llmd-affinity`, `dynamo`, `aibrix-prefix` and `sglang-cache-aware`, kept as
+    references, or one of `profiles`."""
     profiles: dict[str, list[str | dict[str, float]]] = Field(default_factory=dict)
     """Your own rule sets: each a list of steps, a step being a part's name, a rule set's name (its steps) or a
     `{scorer: weight}` map, e.g. `{mine: [low_queue, {least_load: 1, prefix_score: 2}, pick]}`."""
     rule_modules: list[str] = Field(default_factory=list)
     """Python modules to import before `profiles` are read: the parts they define become usable by name."""
     spill_queue_margin: int = Field(16, ge=0)
-    """lora-affinity rules: spill an adapter to another pod once all its pods carry this many more
+    """`lora-affinity-tree` rules: spill an adapter to another pod once all its pods carry this many more
     requests than the least-loaded pod (a bigger batch is almost free; another adapter is not)."""
 
     cost_band_ms: int = Field(20, ge=0, le=60_000)
-    """lora-affinity: among the least loaded pods the rules allow, those whose estimated cost in seconds
-    (`explain` shows it: wait, adapter load, prefill, harm to others) is within this of the least are equal."""
+    """The pods whose predicted time to first token (or, in `lora-affinity-tree`, estimated cost) in seconds is
+    within this of the least are equal (`explain` shows each term); the rule set's later steps choose among them."""
     cost_band_ratio: float = Field(0.25, ge=0.0, le=10.0)
     """...or within this share of the least (estimates from measured rates carry noise of about this much)."""
 

@@ -392,7 +392,7 @@ def run_explain(args: argparse.Namespace) -> int:
                                  "generation_s": round(t.generation_s, 4), "harm_s": round(t.harm_s, 4),
                                  "uncached_tokens": t.uncached_tokens}
                            for pod, t in predicted.items()}
-    lines.append("  predicted time to first token (the predicted-ttft rule set's terms):")
+    lines.append("  predicted time to first token (the default rule set's terms):")
     lines += [f"    {pod}: {t.describe()}" for pod, t in predicted.items()]
     for s in steps:
         lines.append(f"  {s['rule']:<18} {len(s['in'])} -> {len(s['out'])}: {', '.join(s['out'])}")

@@ -1,7 +1,9 @@
 """Rule sets as profiles: lists of parts (`decision.py`; `filters.py`, `scorers.py`, `conditions.py`), run in order over the candidates.
 
-``lora-affinity`` is the default; the others are kept so that every change is measured against them:
-``lora-affinity-v1`` (the previous default), ``gie-v0.2`` (the Gateway API Inference Extension's endpoint
+``lora-affinity`` is the default: one predicted time to first token per candidate (``ttft.py``), after a few
+filters for what one request's estimate cannot see (``predicted-ttft`` names the same steps). The others are kept so
+that every change is measured against them: ``lora-affinity-tree`` (the previous default, a tree of rules),
+``lora-affinity-v1`` (the one before), ``gie-v0.2`` (the Gateway API Inference Extension's endpoint
 picker, as published), and the peers' prefix-aware policies (``llmd-prefix``, ``llmd-weights``, ``llmd-precise``,
 ``llmd-affinity``, ``dynamo``, ``sglang-cache-aware``, ``aibrix-prefix``, as those routers document them). The settings' `profiles` add more, by the same names
 (`build_profiles`): a list of part names, other profiles' names (their steps, inlined) and
@@ -138,7 +140,7 @@ def _place_adapter(cache_aware: bool, costed: bool) -> list[Part]:
             FewestAdapters(), *prefix, *tail, PickPlacement(agree=True)]
 
 
-LORA_AFFINITY: list[Part] = [
+LORA_AFFINITY_TREE: list[Part] = [
     LowQueue(),
     Branch(BaseModel(), [
         Branch(LongPrompt(), [
@@ -156,7 +158,7 @@ LORA_AFFINITY: list[Part] = [
         ], _place_adapter(cache_aware=True, costed=True)),
     ]),
 ]
-"""The default, in a defended order:
+"""The previous default, a tree of rules in a defended order:
 
 1. A short queue first (the endpoint picker's `low_queue`): a queue costs every request in it.
 2. A base-model prompt: the longest cached prefix among pods not far busier, else placed as unseen; a chat's
@@ -181,7 +183,7 @@ LORA_AFFINITY_V1: list[Part] = [
     Branch(AdapterRoomy(sooner=False), [AdapterActive(), LeastLoad(), LeastKv(), Pick("affinity")]),
     *_place_adapter(cache_aware=False, costed=False),
 ]
-"""The previous default: a long prompt went through the prefix rules before any adapter rule, so an unseen
+"""The default before the tree: a long prompt went through the prefix rules before any adapter rule, so an unseen
 long prompt was placed by index size, not by its adapter."""
 
 GIE_V02: list[Part] = [
@@ -232,7 +234,8 @@ AIBRIX_PREFIX: list[Part] = [AibrixPrefixCache(), Pick("aibrix_prefix")]
 """AIBrix's prefix-cache policy."""
 
 BUILT_IN: dict[str, Steps] = {
-    "lora-affinity": tuple(LORA_AFFINITY),
+    "lora-affinity": tuple(PREDICTED_TTFT),
+    "lora-affinity-tree": tuple(LORA_AFFINITY_TREE),
     "lora-affinity-v1": tuple(LORA_AFFINITY_V1),
     "gie-v0.2": tuple(GIE_V02),
     "llmd-prefix": tuple(LLMD_PREFIX),

@@ -14,7 +14,7 @@ from .placement import (
     least_band_int,
     tokens_per_block,
 )
-from .ttft import adapter_slots_scarce, predictions
+from .ttft import adapter_slots_scarce, band_edge, predictions
 
 
 class _CountBand(Scorer):
@@ -71,8 +71,9 @@ class LeastCost(Scorer):
 
 
 class PredictedTtft(Scorer):
-    """The predicted time to first token plus the harm to others, in seconds (`ttft.py`); pods within
-    `cost_band_ms` or `cost_band_ratio` of the least are equal."""
+    """The predicted time to first token plus the generation term and the harm to others, in seconds (`ttft.py`);
+    pods within the least's band are equal (`ttft.band_edge`: `cost_band_ms`, or `cost_band_ratio` of its wait
+    and harm, not of its generation)."""
 
     name = "predicted_ttft"
 
@@ -80,8 +81,15 @@ class PredictedTtft(Scorer):
         predicted = predictions(pods, run.request, run.settings)
         return [predicted[p.key].total_s for p in pods]
 
-    def edge(self, costs: list[float], run: DecisionRun) -> float:
-        return cost_band_edge(min(costs), run.settings)
+    def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
+        if len(pods) < 2:
+            return super().__call__(pods, run)
+        predicted = predictions(pods, run.request, run.settings)
+        totals = [predicted[p.key].total_s for p in pods]
+        edge = band_edge(predicted[pods[totals.index(min(totals))].key], run.settings)
+        kept = [p for p, total in zip(pods, totals) if total <= edge]
+        values = None if run.trace is None else {p.key: round(t, 6) for p, t in zip(pods, totals)}
+        return run.apply(self.rule, pods, kept, values)
 
 
 class DynamoCost(Scorer):

@@ -1,4 +1,4 @@
-"""A request's predicted time to first token on each candidate pod: the `predicted-ttft` rule set's one estimate.
+"""A request's predicted time to first token on each candidate pod: the default rule set's one estimate.
 
 Pure, like the rest of the scheduling core: a candidate and a request in, the terms out, in the engine's
 seconds and from each pod's learned rates (`rates.py`; the defaults until enough is seen). A reader can check
@@ -33,8 +33,8 @@ each term by hand (docs/routing.md, "The predicted time to first token"):
   are plentiful); a second copy of a prefix another pod
   holds evicts about as much of someone else's cached work (`cost.cost_terms`).
 
-The least total wins, within `cost_band_ms` / `cost_band_ratio` (learned rates carry noise); gateways break the
-remaining tie alike by rendezvous rank.
+The least total wins, within `cost_band_ms` or `cost_band_ratio` of the least's wait and harm (`band_edge`:
+learned rates carry noise); gateways break the remaining tie alike by rendezvous rank.
 """
 
 from __future__ import annotations
@@ -86,6 +86,14 @@ class Prediction:
         return (f"{self.total_s:.3f} s = adapter {self.adapter_s:.3f} + queue {self.queue_s:.3f} + room "
                 f"{self.room_s:.3f} + prefill {self.prefill_s:.3f} ({self.uncached_tokens} uncached tokens) "
                 f"+ generation {self.generation_s:.3f}" + (f" + harm {self.harm_s:.3f}" if self.harm_s else ""))
+
+
+def band_edge(least: Prediction, settings: RuleSettings) -> float:
+    """The highest total kept as equal to the `least` pod's: within `cost_band_ms`, or `cost_band_ratio` of its
+    wait and harm. Not of its generation term: that is about alike on every pod (the same answer, each pod's decode
+    step), and a band a quarter of several seconds of generation made every pod equal to the adapter's holder
+    whenever the fleet was lightly loaded, so rendezvous rank, not the prediction, placed the request."""
+    return least.total_s + max(settings.cost_band_ms / 1000, settings.cost_band_ratio * (least.total_s - least.generation_s))
 
 
 def adapter_slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:

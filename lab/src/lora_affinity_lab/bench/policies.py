@@ -323,7 +323,7 @@ SGLANG_CACHE_AWARE = {"rule_set": "sglang-cache-aware", "share_inflight": False,
                       **FIXED_TOKENS}
 """SGLang's router: counts its own requests in flight; a tree per router replica (no mesh)."""
 PREFIX_STRATEGIES = ["simple-shuffle", "least-busy", "gie-v0.2", "llmd-prefix", "sglang-cache-aware",
-                     "lora-affinity-noprefix", "lora-affinity-v1", "lora-affinity"]
+                     "lora-affinity-noprefix", "lora-affinity-v1", "lora-affinity-tree", "lora-affinity"]
 EXACT = {"kv_events": True}
 """The default rules on the exact index (the engines' KV events); the oracle reads the engines' caches instead."""
 LLMD_WEIGHTS = {**LLMD_PREFIX, "rule_set": "llmd-weights"}
@@ -336,6 +336,7 @@ RULE_SETS = {"predicted-ttft": {"rule_set": "predicted-ttft"}, "predicted-ttft-e
              "lora-affinity-exact": EXACT, "exact-state-oracle": EXACT,
              "lora-affinity-noprefix": NO_PREFIX, "llmd-prefix": LLMD_PREFIX, "sglang-cache-aware": SGLANG_CACHE_AWARE,
              "lora-affinity-noshed": NO_SHEDDING, "lora-affinity-v1": {"rule_set": "lora-affinity-v1", **FIXED_TOKENS},
+             "lora-affinity-tree": {"rule_set": "lora-affinity-tree"},
              "llmd-affinity": {**LLMD_PREFIX, "rule_set": "llmd-affinity"}, "aibrix-prefix": {"rule_set": "aibrix-prefix", **FIXED_TOKENS}}
 """Strategies that are the plugin's own code with these settings (in fast mode and live)."""
 

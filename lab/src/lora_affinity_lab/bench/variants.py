@@ -28,7 +28,7 @@ LADDER = 1.3
 BISECTIONS = 3
 """Halvings of the last ladder step that bracket the knee (x1.3 -> about x1.033)."""
 REFERENCES = ("simple-shuffle", "least-busy", "llmd-weights", "llmd-prefix", "llmd-precise", "llmd-affinity", "dynamo",
-              "sglang-cache-aware", "aibrix-prefix", "lora-affinity-v1")
+              "sglang-cache-aware", "aibrix-prefix", "lora-affinity-v1", "lora-affinity-tree")
 """What the defaults are measured against (the previous defaults among them)."""
 BOUND = "forward-oracle"
 """What no gateway can reach (`oracle.py`): each row reports every strategy's ratio to it as well."""
