@@ -180,7 +180,7 @@ class DecisionRun:
     trace when explaining."""
 
     __slots__ = ("rng", "request", "settings", "trace", "disabled", "width", "key", "costs", "label",
-                 "fleet", "fleet_min", "long_prompt", "warm", "holders", "adapter_roomy", "dealt")
+                 "fleet", "fleet_min", "long_prompt", "warm", "holders", "adapter_roomy", "dealt", "predicted")
 
     def __init__(self, rng: random.Random, request: RouteRequest, settings: RuleSettings, explain: bool = False,
                  label: str = "") -> None:
@@ -203,6 +203,9 @@ class DecisionRun:
         """The adapter's holders within the spill margin (`adapter_survey`): where `adapter_roomy` holds and
         `adapter_active` keeps. (The `roomy` rule is another question: pods not far busier than the least busy.)"""
         self.dealt: list[Candidate] = []
+        self.predicted: tuple[tuple[str, ...], dict] | None = None
+        """The last candidates' predictions (`ttft.run_predictions`): a filter and the scorer after it that see the
+        same pods compute them once."""
 
     def apply(self, rule: str, pods: list[Candidate], kept: list[Candidate],
               values: dict[str, float] | None = None) -> list[Candidate]:

@@ -18,7 +18,7 @@ from .placement import (
     warm_pods,
 )
 from .scorers import LLMD_WEIGHTED
-from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, predictions
+from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, run_predictions
 
 NEXT_TURN_KV_GAP = 0.3
 """How much emptier (a share of the whole cache) another pod's KV cache must be than the emptiest of a
@@ -311,7 +311,7 @@ class PrefixAffinityTtft(Filter):
             if kept and not (request.later_turn and request.adapter is None
                              and all(p.reported_waiting for p in kept)):
                 return kept  # ...unless it is a base-model conversation's next turn and every one of them queues
-        predicted = predictions(pods, request, settings)
+        predicted = run_predictions(pods, run)
         ttft = {key: t.ttft_s for key, t in predicted.items()}
         if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
             return holders
@@ -372,7 +372,7 @@ def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[C
              and p.kv_free_tokens - known.get(p.key, 0) * per_block >= prompt]
     if not roomy:
         return []
-    predicted = predictions(pods, request, run.settings)
+    predicted = run_predictions(pods, run)
     finish = {p.key: predicted[p.key].ttft_s + predicted[p.key].generation_s for p in pods}
     best = min(finish[p.key] for p in roomy)
     if min(finish[p.key] for p in kept) <= best + SECOND_HOLDER_MARGIN_S:

@@ -14,7 +14,7 @@ from .placement import (
     least_band_int,
     tokens_per_block,
 )
-from .ttft import adapter_slots_scarce, band_edge, predictions
+from .ttft import adapter_slots_scarce, band_edge, run_predictions
 
 
 class _CountBand(Scorer):
@@ -78,13 +78,13 @@ class PredictedTtft(Scorer):
     name = "predicted_ttft"
 
     def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
-        predicted = predictions(pods, run.request, run.settings)
+        predicted = run_predictions(pods, run)
         return [predicted[p.key].total_s for p in pods]
 
     def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
         if len(pods) < 2:
             return super().__call__(pods, run)
-        predicted = predictions(pods, run.request, run.settings)
+        predicted = run_predictions(pods, run)
         totals = [predicted[p.key].total_s for p in pods]
         edge = band_edge(predicted[pods[totals.index(min(totals))].key], run.settings)
         kept = [p for p, total in zip(pods, totals) if total <= edge]

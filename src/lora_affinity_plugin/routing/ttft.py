@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s, expected_step_s
-from .decision import Candidate, RouteRequest, RuleSettings
+from .decision import Candidate, DecisionRun, RouteRequest, RuleSettings
 from .placement import tokens_per_block
 from .podstate import PREFILL_S_PER_TOKEN
 
@@ -115,6 +115,17 @@ def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSett
     scarce = adapter_slots_scarce(pods, request)
     output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None
     return {p.key: predict(p, request, per_block, best_match, scarce, settings.residency_memory, output) for p in pods}
+
+
+def run_predictions(pods: list[Candidate], run: DecisionRun) -> dict[str, Prediction]:
+    """`predictions` for the parts of one decision: computed once for the same candidates (a prediction depends
+    on the others through the slots in use, the best match and the mean answer, so another set is computed anew)."""
+    keys = tuple(p.key for p in pods)
+    if run.predicted is not None and run.predicted[0] == keys:
+        return run.predicted[1]
+    predicted = predictions(pods, run.request, run.settings)
+    run.predicted = (keys, predicted)
+    return predicted
 
 
 def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int,
