@@ -81,15 +81,9 @@ class PredictedTtft(Scorer):
         predicted = run_predictions(pods, run)
         return [predicted[p.key].total_s for p in pods]
 
-    def __call__(self, pods: list[Candidate], run: DecisionRun) -> Outcome:
-        if len(pods) < 2:
-            return super().__call__(pods, run)
-        predicted = run_predictions(pods, run)
-        totals = [predicted[p.key].total_s for p in pods]
-        edge = band_edge(predicted[pods[totals.index(min(totals))].key], run.settings)
-        kept = [p for p, total in zip(pods, totals) if total <= edge]
-        values = None if run.trace is None else {p.key: round(t, 6) for p, t in zip(pods, totals)}
-        return run.apply(self.rule, pods, kept, values)
+    def edge(self, costs: list[float], run: DecisionRun) -> float:
+        assert run.predicted is not None  # (`costs` just computed them, for these pods)
+        return band_edge(min(run.predicted[1].values(), key=lambda t: t.total_s), run.settings)
 
 
 class DynamoCost(Scorer):
