@@ -61,9 +61,10 @@ GENERATION_SHARE = 0.5
 the whole of it the estimate moved requests off their adapters' pods for small batches (docs/tried.md)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prediction:
-    """One candidate's predicted time to first token, term by term (what `explain` prints)."""
+    """One candidate's predicted time to first token, term by term (what `explain` prints). Read-only by
+    convention, not frozen: a decision builds one per candidate, and frozen costs five times as much to build."""
 
     adapter_s: float
     queue_s: float
@@ -135,62 +136,75 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
     (the slot term then grows with the pod's share of slots in use, not its square). `residency_memory`: how many
     times its slots the pod's remembered adapters may number (`Settings.residency_memory`). `output_tokens`: the
     answer's expected length, alike on every candidate (the candidates' mean; the pod's own when None), so one
-    pod's noisier rate does not move the generation term."""
+    pod's noisier rate does not move the generation term.
+
+    Runs for every candidate of a decision (64 pods: most of a decision's time), so it reads each field once and
+    compares with `<` rather than calling `min` and `max`."""
     rates = p.rates
+    waiting, running, active, max_lora = p.waiting, p.running, p.active_adapters, p.max_lora
+    blocks = request.prefix_blocks
     held = request.prefix_matches.get(p.key, 0)
-    prompt = request.prefix_blocks * tokens_per_block
-    uncached = max(0.0, (request.prefix_blocks - held) * tokens_per_block)
+    prompt = blocks * tokens_per_block
+    uncached = (blocks - held) * tokens_per_block if held < blocks else 0.0
     generation_s = rates.decode_step_s * rates.mean_output_tokens
+    reported = p.reported_waiting
+    queued = reported if reported < waiting else waiting
+    sent = waiting - queued  # sent since the scrape: they join the next prefill step
 
     adapter_s = harm_s = 0.0
     adapter = request.adapter
-    if adapter is not None and adapter not in p.active_adapters:
+    if adapter is None:
+        pass
+    elif adapter not in active:
         if adapter not in p.resident_adapters:
             adapter_s = ADAPTER_LOAD_S
-            if p.max_lora and request.served_adapters > residency_memory * p.max_lora:
+            if max_lora and request.served_adapters > residency_memory * max_lora:
                 # The fleet serves more adapters than a pod keeps at hand: one it has not run lately is on disk.
                 # vLLM loads it within a step, so the queue there waits for it too; and it evicts the adapter
                 # the pod ran least lately, whose next request there loads from disk in turn.
                 adapter_s += COLD_ADAPTER_S
-                harm_s = (min(p.reported_waiting, p.waiting) + 1) * COLD_ADAPTER_S
-        if not p.has_free_slot():  # after the adapters already waiting for a slot there, max_lora at a time
-            waiting_adapters = max(0, len(p.active_adapters) - p.max_lora)
-            adapter_s += (1 + waiting_adapters / p.max_lora) * generation_s / 2
-        if p.active_adapters:
-            harm_s += batch_harm_s(p.running, rates)
-            if p.max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
-                share = min(1.0, len(p.active_adapters) / p.max_lora)
+                harm_s = (queued + 1) * COLD_ADAPTER_S
+        if max_lora and len(active) >= max_lora:  # no free slot: after the adapters already waiting for one there
+            adapter_s += (1 + (len(active) - max_lora) / max_lora) * generation_s / 2
+        if active:
+            harm_s += batch_harm_s(running, rates)
+            if max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
+                share = len(active) / max_lora if len(active) < max_lora else 1.0
                 harm_s += (share if slots_scarce else share * share) * generation_s / 2
-
-    queued = min(p.reported_waiting, p.waiting)
-    if adapter is not None and adapter in p.active_adapters and p.max_lora and len(p.active_adapters) > p.max_lora:
+    elif max_lora and len(active) > max_lora:
         # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the queue
         # is ahead of it (about one adapter's in every distinct adapter there)
-        queued = queued / len(p.active_adapters)
+        queued = queued / len(active)
+
     computing_s = request.prefilling.get(p.key, 0.0)
-    sent = p.waiting - min(p.reported_waiting, p.waiting)  # sent since the scrape: they join the next prefill step
-    queue_s = computing_s + queued * rates.queue_s_per_request + sent * rates.prefill_s(0)
-    if p.waiting or p.running:
+    queue_s = computing_s + queued * rates.queue_s_per_request
+    if sent:
+        queue_s += sent * rates.prefill_s(0)
+    if waiting or running:
         queue_s += rates.decode_step_s / 2
 
-    room_s = 0.0
+    room_s = kv_used = 0.0
     free, size = p.kv_free_tokens, p.kv_cache_tokens
     if free is not None and size:
         # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
         # waiting what a running request holds, or at least this prompt; then its own uncached tokens.
-        used = max(size - free, 1.0)
-        per_request = max(used / p.running if p.running else 0.0, prompt)
-        ahead = computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12) + (queued + sent) * per_request
+        kv_used = size - free
+        used = kv_used if kv_used > 1.0 else 1.0
+        per_request = used / running if running else 0.0
+        if per_request < prompt:
+            per_request = prompt
+        ahead = (queued + sent) * per_request
+        if computing_s:
+            ahead += computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12)
         shortfall = uncached + ahead - free
         if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
-            room_s = min(ROOM_GENERATIONS, 1.0 + shortfall / used) * generation_s
+            generations = 1.0 + shortfall / used
+            room_s = (generations if generations < ROOM_GENERATIONS else ROOM_GENERATIONS) * generation_s
 
     output = output_tokens if output_tokens is not None else rates.mean_output_tokens
-    kv_used = size - free if free is not None and size else 0.0
-    step_s = rates.decode_factor * expected_step_s(p.running + p.waiting + 1, kv_used + prompt + output / 2)
+    step_s = rates.decode_factor * expected_step_s(running + waiting + 1, kv_used + prompt + output / 2)
     generation = GENERATION_SHARE * step_s * output
 
-    best_extra = max(0, best_match - held) * tokens_per_block
-    if best_extra > 0:
-        harm_s += copy_harm_s(rates, best_extra)
+    if best_match > held:
+        harm_s += copy_harm_s(rates, (best_match - held) * tokens_per_block)
     return Prediction(adapter_s, queue_s, room_s, rates.prefill_s(uncached), harm_s, int(uncached), generation)
