@@ -121,7 +121,9 @@ def test_every_built_in_rule_set_is_described_part_by_part():
     text = "\n".join(describe(BUILT_IN["lora-affinity-tree"]))
     assert "if base_model:" in text and "least_cost  [scorer]" in text and "pick_placement" in text
     default = "\n".join(describe(BUILT_IN["lora-affinity"]))
-    assert "predicted_ttft  [scorer]" in default and "if " not in default  # one estimate, no tree
+    branches = [line.strip() for line in default.splitlines() if line.lstrip().startswith("if ")]
+    assert "predicted_ttft  [scorer]" in default  # one estimate; the only branches deal adapters among gateways
+    assert branches == ["if dealt_while_slots_scarce:", "if dealt_new_adapter:"]
     assert BUILT_IN["lora-affinity"] == BUILT_IN["predicted-ttft"]
 
 

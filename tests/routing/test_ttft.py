@@ -334,3 +334,22 @@ def test_any_fleet_and_request_get_a_finite_prediction_and_a_pick_among_the_cand
     for t in predictions(pods, request, rule_settings).values():
         assert math.isfinite(t.total_s) and t.total_s >= 0 and t.generation_s > 0
     assert choose_pod(pods, request, rule_settings, random.Random(0)).pod in keys
+
+
+def test_among_gateways_the_default_deals_a_new_adapter_and_keeps_adapters_dealt_while_slots_are_scarce():
+    settings = build_settings({}, environ={})
+    # the dealt pod p0 runs a larger batch: alone, the least predicted time to first token is p1's free slot
+    pods = [pod("p0", running=6, adapters=()), pod("p1", running=1, adapters=()), pod("p2", running=1, adapters=("x",))]
+    new = RouteRequest("a", home="p0", gateways=3, dealt_adapters=3)
+    assert choose_pod(pods, new, settings, random.Random(0)).pod == "p0"
+    assert choose_pod(pods, RouteRequest("a", home="p0", gateways=1, dealt_adapters=3), settings,
+                      random.Random(0)).pod == "p1"  # one gateway: nothing to agree with
+    far_busier = [pod("p0", running=6, waiting=settings.spill_queue_margin + 1, adapters=()), *pods[1:]]
+    assert choose_pod(far_busier, new, settings, random.Random(0)).pod == "p1"
+    running = [pods[0], pod("p1", running=1, adapters=("a",)), pods[2]]
+    assert choose_pod(running, new, settings, random.Random(0)).pod == "p1"  # runs somewhere: the prediction
+    # more adapters than slots (3 pods x 2): every request of an adapter to its dealt pod, up to two margins busier
+    scarce = RouteRequest("a", home="p0", gateways=3, dealt_adapters=12)
+    assert choose_pod(running, scarce, settings, random.Random(0)).pod == "p0"
+    settings_off = build_settings({"disabled_rules": ["dealt"]}, environ={})
+    assert choose_pod(running, scarce, settings_off, random.Random(0)).pod == "p1"

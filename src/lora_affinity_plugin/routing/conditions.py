@@ -105,7 +105,27 @@ class DealtWhileSlotsScarce(Condition):
         request = run.request
         if not run.enabled("dealt") or request.gateways == 1 or request.home is None or not slots_scarce(pods, request):
             return False
-        edge = run.fleet_min + 2 * run.settings.spill_queue_margin
+        edge = min([p.load for p in pods]) + 2 * run.settings.spill_queue_margin
+        run.dealt = [p for p in pods if p.key == request.home and p.load <= edge]
+        return bool(run.dealt)
+
+
+class DealtNewAdapter(Condition):
+    """With several gateways, an adapter no candidate runs yet: its dealt pod, unless more than `spill_queue_margin`
+    busier than the least busy pod. Peers place a new adapter at the same moment from views that have not yet heard
+    of each other's dispatches (a burst's first requests): each one's least predicted time to first token then
+    starts the adapter on a different pod, and each copy takes a LoRA slot. Dealt alike, they start it once.
+    Disabling the `dealt` rule turns dealing off."""
+
+    name = "dealt_new_adapter"
+
+    def test(self, pods: list[Candidate], run: DecisionRun) -> bool:
+        request = run.request
+        adapter = request.adapter
+        if (adapter is None or request.gateways == 1 or request.home is None or not run.enabled("dealt")
+                or any(adapter in p.active_adapters for p in pods)):
+            return False
+        edge = min([p.load for p in pods]) + run.settings.spill_queue_margin
         run.dealt = [p for p in pods if p.key == request.home and p.load <= edge]
         return bool(run.dealt)
 

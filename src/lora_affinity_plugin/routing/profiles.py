@@ -22,6 +22,7 @@ from .conditions import (
     AdapterSurvey,
     BaseModel,
     DealtForPlacement,
+    DealtNewAdapter,
     DealtWhileSlotsScarce,
     HasAdapter,
     HistoryQueued,
@@ -208,7 +209,9 @@ SGLANG_CACHE_AWARE: list[Part] = [
 ]
 """Least loaded when imbalanced; else the longest match above 30% of the prompt; else the smallest tree."""
 
-PREDICTED_TTFT: list[Part] = [DocumentWeights(), NextTurnElsewhere(), PrefixAffinityTtft(), NewInstructions(),
+PREDICTED_TTFT: list[Part] = [Branch(DealtWhileSlotsScarce(), [Dealt(), Pick("dealt")]),
+                              Branch(DealtNewAdapter(), [Dealt(), Pick("dealt")]),
+                              DocumentWeights(), NextTurnElsewhere(), PrefixAffinityTtft(), NewInstructions(),
                               PredictedTtft(), FewestSlotContenders(), FewestPrefixes(), LeastLoad(),
                               PickAgreed("predicted_ttft")]
 """One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included,
