@@ -83,6 +83,9 @@ class Candidate:
     """Tokens its KV cache holds in all (None: the page did not say)."""
     load: int = field(init=False, repr=False, compare=False)
     """waiting + running (a field, not a property: the rules read it for every pod at every step)."""
+    terms: Any = field(default=None, init=False, repr=False, compare=False)
+    """What the predicted time to first token reads of this view alone (`ttft.pod_terms`): computed at its first
+    decision, kept for the next ones."""
 
     def __post_init__(self) -> None:
         self.load = self.waiting + self.running

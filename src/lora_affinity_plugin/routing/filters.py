@@ -270,7 +270,8 @@ class NextTurnElsewhere(Filter):
         if not request.later_turn or not settings.prefix_affinity:
             return pods
         history = longest_match_holders(pods, request, settings)
-        others = [p for p in pods if p not in history]
+        held = {p.key for p in history}  # (keys: comparing candidates compares every field)
+        others = [p for p in pods if p.key not in held]
         shortest = min(p.reported_waiting for p in pods)
         if not history or not others or any(p.reported_waiting <= shortest for p in history):
             return pods
@@ -312,8 +313,9 @@ class PrefixAffinityTtft(Filter):
                              and all(p.reported_waiting for p in kept)):
                 return kept  # ...unless it is a base-model conversation's next turn and every one of them queues
         predicted = run_predictions(pods, run)
-        ttft = {key: t.ttft_s for key, t in predicted.items()}
-        if min(ttft[p.key] for p in holders) <= min(ttft[p.key] for p in pods if p not in holders) + STICKY_MARGIN_S:
+        holding = {p.key for p in holders}
+        best_holder = min(predicted[key].ttft_s for key in holding)
+        if best_holder <= min(t.ttft_s for key, t in predicted.items() if key not in holding) + STICKY_MARGIN_S:
             return holders
         return pods
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s, expected_step_s
+from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, copy_harm_s, expected_step_s
 from .decision import Candidate, DecisionRun, RouteRequest, RuleSettings
 from .placement import tokens_per_block
 from .podstate import PREFILL_S_PER_TOKEN
@@ -105,8 +105,12 @@ def adapter_slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:
 
 def slots_in_use(pods: list[Candidate]) -> float:
     """The share of the pods' LoRA slots their active adapters take (0 when no pod says how many it has)."""
-    slots = sum(p.max_lora or 0 for p in pods)
-    return sum(min(len(p.active_adapters), p.max_lora) for p in pods if p.max_lora) / slots if slots else 0.0
+    slots = taken = 0
+    for p in pods:  # a loop, not two sums of generators: it runs two or three times a decision over every candidate
+        if p.max_lora:
+            slots += p.max_lora
+            taken += min(len(p.active_adapters), p.max_lora)
+    return taken / slots if slots else 0.0
 
 
 def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> dict[str, Prediction]:
@@ -129,6 +133,46 @@ def run_predictions(pods: list[Candidate], run: DecisionRun) -> dict[str, Predic
     return predicted
 
 
+@dataclass(slots=True)
+class PodTerms:
+    """What a prediction on a pod needs that no request changes (`pod_terms`). Computed once per view of the pod:
+    a view lasts until the pod's next scrape or dispatch, so most decisions find it computed for most candidates."""
+
+    generation_s: float
+    """The pod's mean generation: its decode step times its mean answer."""
+    queued: int
+    """The requests it reported waiting that are still queued."""
+    sent: int
+    """The requests sent since its scrape: they join the next prefill step."""
+    queue_s: float
+    """The sent ones' prefill steps, and half the decode step in flight when the pod is busy."""
+    kv_used: float
+    """Tokens its KV cache holds (0 when the page did not say how big the cache is)."""
+    per_running: float
+    """Tokens each running request holds there, on average (at least 1 in all)."""
+    step_s: float
+    """Its decode step with one more request, before that request's own tokens, at the pod's learned factor."""
+
+
+def pod_terms(p: Candidate) -> PodTerms:
+    """`p`'s `PodTerms`, kept on the view (`Candidate.terms`)."""
+    terms = p.terms
+    if terms is None:
+        rates = p.rates
+        queued = p.reported_waiting if p.reported_waiting < p.waiting else p.waiting
+        sent = p.waiting - queued
+        queue_s = sent * rates.prefill_s(0) if sent else 0.0
+        if p.waiting or p.running:
+            queue_s += rates.decode_step_s / 2
+        free, size = p.kv_free_tokens, p.kv_cache_tokens
+        kv_used = size - free if free is not None and size and size > free else 0.0
+        used = kv_used if kv_used > 1.0 else 1.0
+        terms = p.terms = PodTerms(rates.decode_step_s * rates.mean_output_tokens, queued, sent, queue_s, kv_used,
+                                   used / p.running if p.running else 0.0,
+                                   rates.decode_factor * expected_step_s(p.running + p.waiting + 1, kv_used))
+    return terms
+
+
 def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int,
             slots_scarce: bool = False, residency_memory: int = 2, output_tokens: float | None = None) -> Prediction:
     """The request's predicted first token on `p` (the module's docstring says why each term). `slots_scarce`:
@@ -138,18 +182,17 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
     answer's expected length, alike on every candidate (the candidates' mean; the pod's own when None), so one
     pod's noisier rate does not move the generation term.
 
-    Runs for every candidate of a decision (64 pods: most of a decision's time), so it reads each field once and
-    compares with `<` rather than calling `min` and `max`."""
+    Runs for every candidate of a decision (64 pods: most of a decision's time), so what no request changes is
+    computed once per view of the pod (`pod_terms`), and it compares with `<` rather than calling `min` and `max`."""
     rates = p.rates
-    waiting, running, active, max_lora = p.waiting, p.running, p.active_adapters, p.max_lora
+    pod = pod_terms(p)
+    running, active, max_lora = p.running, p.active_adapters, p.max_lora
     blocks = request.prefix_blocks
     held = request.prefix_matches.get(p.key, 0)
     prompt = blocks * tokens_per_block
     uncached = (blocks - held) * tokens_per_block if held < blocks else 0.0
-    generation_s = rates.decode_step_s * rates.mean_output_tokens
-    reported = p.reported_waiting
-    queued = reported if reported < waiting else waiting
-    sent = waiting - queued  # sent since the scrape: they join the next prefill step
+    generation_s = pod.generation_s
+    queued = pod.queued
 
     adapter_s = harm_s = 0.0
     adapter = request.adapter
@@ -177,32 +220,24 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         queued = queued / len(active)
 
     computing_s = request.prefilling.get(p.key, 0.0)
-    queue_s = computing_s + queued * rates.queue_s_per_request
-    if sent:
-        queue_s += sent * rates.prefill_s(0)
-    if waiting or running:
-        queue_s += rates.decode_step_s / 2
+    queue_s = computing_s + queued * rates.queue_s_per_request + pod.queue_s
 
-    room_s = kv_used = 0.0
-    free, size = p.kv_free_tokens, p.kv_cache_tokens
-    if free is not None and size:
+    room_s = 0.0
+    free = p.kv_free_tokens
+    if free is not None and p.kv_cache_tokens:
         # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
         # waiting what a running request holds, or at least this prompt; then its own uncached tokens.
-        kv_used = size - free
-        used = kv_used if kv_used > 1.0 else 1.0
-        per_request = used / running if running else 0.0
-        if per_request < prompt:
-            per_request = prompt
-        ahead = (queued + sent) * per_request
+        per_request = pod.per_running if pod.per_running > prompt else prompt
+        ahead = (queued + pod.sent) * per_request
         if computing_s:
             ahead += computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12)
         shortfall = uncached + ahead - free
         if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
-            generations = 1.0 + shortfall / used
+            generations = 1.0 + shortfall / (pod.kv_used if pod.kv_used > 1.0 else 1.0)
             room_s = (generations if generations < ROOM_GENERATIONS else ROOM_GENERATIONS) * generation_s
 
     output = output_tokens if output_tokens is not None else rates.mean_output_tokens
-    step_s = rates.decode_factor * expected_step_s(running + waiting + 1, kv_used + prompt + output / 2)
+    step_s = pod.step_s + rates.decode_factor * DECODE_S_PER_KV_TOKEN * (prompt + output / 2)
     generation = GENERATION_SHARE * step_s * output
 
     if best_match > held:
