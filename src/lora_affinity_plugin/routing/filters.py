@@ -375,11 +375,15 @@ def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[C
     if not roomy:
         return []
     predicted = run_predictions(pods, run)
-    finish = {p.key: predicted[p.key].ttft_s + predicted[p.key].generation_s for p in pods}
-    best = min(finish[p.key] for p in roomy)
-    if min(finish[p.key] for p in kept) <= best + SECOND_HOLDER_MARGIN_S:
+
+    def finish(p: Candidate) -> float:
+        t = predicted[p.key]
+        return t.ttft_s + t.generation_s
+
+    best = min(map(finish, roomy))
+    if min(map(finish, kept)) <= best + SECOND_HOLDER_MARGIN_S:
         return []
-    chosen = [p for p in roomy if finish[p.key] == best]
+    chosen = [p for p in roomy if finish(p) == best]
     if min(p.running for p in kept) < SECOND_HOLDER_BATCH_RATIO * min(p.running for p in chosen):
         return []
     return chosen

@@ -82,8 +82,9 @@ class PredictedTtft(Scorer):
         return [predicted[p.key].total_s for p in pods]
 
     def edge(self, costs: list[float], run: DecisionRun) -> float:
-        assert run.predicted is not None  # (`costs` just computed them, for these pods)
-        return band_edge(min(run.predicted[1].values(), key=lambda t: t.total_s), run.settings)
+        assert run.predicted is not None  # (`costs` just computed them, for these pods, in their order)
+        least = list(run.predicted[1].values())[costs.index(min(costs))]
+        return band_edge(least, run.settings)
 
 
 class DynamoCost(Scorer):

@@ -80,8 +80,8 @@ class Prediction:
         return self.adapter_s + self.queue_s + self.room_s + self.prefill_s
 
     @property
-    def total_s(self) -> float:
-        return self.ttft_s + self.generation_s + self.harm_s
+    def total_s(self) -> float:  # (the sum written out: read for every candidate, twice a decision)
+        return self.adapter_s + self.queue_s + self.room_s + self.prefill_s + self.generation_s + self.harm_s
 
     def describe(self) -> str:
         return (f"{self.total_s:.3f} s = adapter {self.adapter_s:.3f} + queue {self.queue_s:.3f} + room "
