@@ -372,8 +372,9 @@ def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[C
     known = request.prefix_sizes
     roomy = [p for p in pods if p.key not in holding and p.kv_free_tokens is not None
              and p.kv_free_tokens - known.get(p.key, 0) * per_block >= prompt]
-    if not roomy:
-        return []
+    least_kept = min(p.running for p in kept)
+    if not roomy or least_kept < SECOND_HOLDER_BATCH_RATIO * min(p.running for p in roomy):
+        return []  # (no roomy pod runs few enough requests: known before predicting all the pods)
     predicted = run_predictions(pods, run)
 
     def finish(p: Candidate) -> float:
@@ -384,7 +385,7 @@ def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[C
     if min(map(finish, kept)) <= best + SECOND_HOLDER_MARGIN_S:
         return []
     chosen = [p for p in roomy if finish(p) == best]
-    if min(p.running for p in kept) < SECOND_HOLDER_BATCH_RATIO * min(p.running for p in chosen):
+    if least_kept < SECOND_HOLDER_BATCH_RATIO * min(p.running for p in chosen):
         return []
     return chosen
 
