@@ -196,9 +196,7 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
 
     adapter_s = harm_s = 0.0
     adapter = request.adapter
-    if adapter is None:
-        pass
-    elif adapter not in active:
+    if adapter is not None and adapter not in active:
         if adapter not in p.resident_adapters:
             adapter_s = ADAPTER_LOAD_S
             if max_lora and request.served_adapters > residency_memory * max_lora:
@@ -214,7 +212,7 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
             if max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
                 share = len(active) / max_lora if len(active) < max_lora else 1.0
                 harm_s += (share if slots_scarce else share * share) * generation_s / 2
-    elif max_lora and len(active) > max_lora:
+    elif adapter is not None and max_lora and len(active) > max_lora:
         # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the queue
         # is ahead of it (about one adapter's in every distinct adapter there)
         queued = queued / len(active)
