@@ -7,6 +7,7 @@ from typing import ClassVar
 from .conditions import AdapterSurvey
 from .decision import Candidate, DecisionRun, Filter, RouteRequest, RuleSettings
 from .placement import (
+    LARGE_PROMPT_SHARE,
     admits_now,
     computing_tokens,
     fastest,
@@ -247,8 +248,9 @@ class DocumentWeights(Filter):
 
 def _is_document(pods: list[Candidate], run: DecisionRun) -> bool:
     """The prompt is large (`LARGE_PROMPT_SHARE`) on some pod: on the smallest cache among those that report theirs."""
+    sizes = [p.kv_cache_tokens for p in pods if p.kv_cache_tokens]
     prompt = run.request.prefix_blocks * tokens_per_block(run.request, run.settings)
-    return any(large_there(p, prompt) for p in pods)
+    return bool(sizes) and prompt >= LARGE_PROMPT_SHARE * min(sizes)  # `large_there` on the smallest
 
 
 class NextTurnElsewhere(Filter):
@@ -350,10 +352,15 @@ def longest_match_holders(pods: list[Candidate], request: RouteRequest, settings
     matches = request.prefix_matches
     if not matches:
         return []
-    best = max(matches.get(p.key, 0) for p in pods)
-    if best < settings.prefix_min_blocks:
-        return []
-    return [p for p in pods if matches.get(p.key, 0) == best]
+    get = matches.get
+    best, holders = settings.prefix_min_blocks, []
+    for p in pods:  # one pass: it runs for every candidate, two or three times a decision
+        blocks = get(p.key, 0)
+        if blocks >= best:
+            if blocks > best:
+                best, holders = blocks, []
+            holders.append(p)
+    return holders
 
 
 def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[Candidate], run: DecisionRun,
