@@ -105,9 +105,7 @@ class DealtWhileSlotsScarce(Condition):
         request = run.request
         if not run.enabled("dealt") or request.gateways == 1 or request.home is None or not slots_scarce(pods, request):
             return False
-        edge = min([p.load for p in pods]) + 2 * run.settings.spill_queue_margin
-        run.dealt = [p for p in pods if p.key == request.home and p.load <= edge]
-        return bool(run.dealt)
+        return _dealt_within(pods, run, margins=2)
 
 
 class DealtNewAdapter(Condition):
@@ -125,9 +123,15 @@ class DealtNewAdapter(Condition):
         if (adapter is None or request.gateways == 1 or request.home is None or not run.enabled("dealt")
                 or any(adapter in p.active_adapters for p in pods)):
             return False
-        edge = min([p.load for p in pods]) + run.settings.spill_queue_margin
-        run.dealt = [p for p in pods if p.key == request.home and p.load <= edge]
-        return bool(run.dealt)
+        return _dealt_within(pods, run, margins=1)
+
+
+def _dealt_within(pods: list[Candidate], run: DecisionRun, margins: int) -> bool:
+    """Whether the request's dealt pod is among `pods` and at most `margins` spill margins busier than the least busy
+    of them; it is kept in `run.dealt` for the `dealt` filter."""
+    edge = min([p.load for p in pods]) + margins * run.settings.spill_queue_margin
+    run.dealt = [p for p in pods if p.key == run.request.home and p.load <= edge]
+    return bool(run.dealt)
 
 
 class UnseenInstructions(Condition):
@@ -200,13 +204,11 @@ class DealtForPlacement(Condition):
         request = run.request
         if request.gateways == 1 or request.home is None or not run.enabled("dealt"):
             return False
-        least = min(p.load for p in pods)
-        dealt = [p for p in pods if p.key == request.home and p.load <= least + run.settings.spill_queue_margin]
-        if dealt and self.cache_aware and run.long_prompt and not slots_scarce(run.fleet, request):
+        if _dealt_within(pods, run, margins=1) and self.cache_aware and run.long_prompt \
+                and not slots_scarce(run.fleet, request):
             emptiest = {p.key for p in fewest_prefixes(pods, request, run.width)}
-            dealt = [p for p in dealt if p.key in emptiest]
-        run.dealt = dealt
-        return bool(dealt)
+            run.dealt = [p for p in run.dealt if p.key in emptiest]
+        return bool(run.dealt)
 
 
 class PickPlacement(Picker):

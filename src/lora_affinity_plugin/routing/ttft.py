@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, copy_harm_s, expected_step_s
+from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s, expected_step_s
 from .decision import Candidate, DecisionRun, RouteRequest, RuleSettings
 from .placement import tokens_per_block
 from .podstate import PREFILL_S_PER_TOKEN
@@ -147,11 +147,11 @@ class PodTerms:
     queue_s: float
     """The sent ones' prefill steps, and half the decode step in flight when the pod is busy."""
     kv_used: float
-    """Tokens its KV cache holds (0 when the page did not say how big the cache is)."""
+    """Tokens its KV cache holds (0 when the page did not say how big the cache is, or said more free than in all)."""
+    held: float
+    """`kv_used`, at least 1: what the room term divides by."""
     per_running: float
-    """Tokens each running request holds there, on average (at least 1 in all)."""
-    step_s: float
-    """Its decode step with one more request, before that request's own tokens, at the pod's learned factor."""
+    """Tokens each running request holds there, on average (`held` over the running requests; 0 when none runs)."""
 
 
 def pod_terms(p: Candidate) -> PodTerms:
@@ -166,10 +166,9 @@ def pod_terms(p: Candidate) -> PodTerms:
             queue_s += rates.decode_step_s / 2
         free, size = p.kv_free_tokens, p.kv_cache_tokens
         kv_used = size - free if free is not None and size and size > free else 0.0
-        used = kv_used if kv_used > 1.0 else 1.0
+        held = kv_used if kv_used > 1.0 else 1.0
         terms = p.terms = PodTerms(rates.decode_step_s * rates.mean_output_tokens, queued, sent, queue_s, kv_used,
-                                   used / p.running if p.running else 0.0,
-                                   rates.decode_factor * expected_step_s(p.running + p.waiting + 1, kv_used))
+                                   held, held / p.running if p.running else 0.0)
     return terms
 
 
@@ -231,11 +230,11 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
             ahead += computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12)
         shortfall = uncached + ahead - free
         if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
-            generations = 1.0 + shortfall / (pod.kv_used if pod.kv_used > 1.0 else 1.0)
+            generations = 1.0 + shortfall / pod.held
             room_s = (generations if generations < ROOM_GENERATIONS else ROOM_GENERATIONS) * generation_s
 
     output = output_tokens if output_tokens is not None else rates.mean_output_tokens
-    step_s = pod.step_s + rates.decode_factor * DECODE_S_PER_KV_TOKEN * (prompt + output / 2)
+    step_s = rates.decode_factor * expected_step_s(running + p.waiting + 1, pod.kv_used + prompt + output / 2)
     generation = GENERATION_SHARE * step_s * output
 
     if best_match > held:
