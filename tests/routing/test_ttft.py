@@ -322,14 +322,16 @@ def _candidates(draw):
 @given(_candidates(), st.one_of(st.none(), _ADAPTERS), st.integers(0, 5_000), st.data())
 def test_any_fleet_and_request_get_a_finite_prediction_and_a_pick_among_the_candidates(pods, adapter, blocks, data):
     """What the new terms read (batch sizes, KV free and size, learned rates at their bounds, prefixes known cached
-    anywhere, an app's instructions unseen or held, a conversation's next turn, a document under KV pressure) cannot
-    make the estimate raise or leave the candidates."""
+    anywhere, an app's instructions unseen or held, a conversation's next turn, a document under KV pressure, peers
+    dealing adapters to a pod that may not be a candidate) cannot make the estimate raise or leave the candidates."""
     keys = [p.key for p in pods]
     matches = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, blocks)))
     sizes = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, 10**7)))
     request = RouteRequest(adapter, prefix_blocks=blocks, prefix_matches=matches, prefix_sizes=sizes,
                            served_adapters=data.draw(st.integers(0, 64)), placement_key=data.draw(st.integers(0, 2**32)),
-                           instructions_blocks=data.draw(st.integers(0, blocks)), later_turn=data.draw(st.booleans()))
+                           instructions_blocks=data.draw(st.integers(0, blocks)), later_turn=data.draw(st.booleans()),
+                           gateways=data.draw(st.integers(1, 4)), dealt_adapters=data.draw(st.integers(0, 64)),
+                           home=data.draw(st.one_of(st.none(), st.sampled_from([*keys, "a-pod-not-among-them"]))))
     rule_settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
     for t in predictions(pods, request, rule_settings).values():
         assert math.isfinite(t.total_s) and t.total_s >= 0 and t.generation_s > 0
