@@ -3,6 +3,7 @@ rule set picks the least total, alike on every gateway."""
 
 import math
 import random
+from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -350,6 +351,12 @@ def test_among_gateways_the_default_deals_a_new_adapter_and_keeps_adapters_dealt
     assert choose_pod(far_busier, new, settings, random.Random(0)).pod == "p1"
     running = [pods[0], pod("p1", running=1, adapters=("a",)), pods[2]]
     assert choose_pod(running, new, settings, random.Random(0)).pod == "p1"  # runs somewhere: the prediction
+    # a prompt that places a prefix is placed for the cache, not dealt: one p2 holds, or an app's new instructions
+    held = RouteRequest("a", home="p0", gateways=3, dealt_adapters=3, prefix_blocks=10, prefix_matches={"p2": 8})
+    assert choose_pod(pods, held, settings, random.Random(0)).pod == "p2"
+    instructions = RouteRequest("a", home="p0", gateways=3, dealt_adapters=3, prefix_blocks=10, instructions_blocks=8)
+    assert choose_pod(pods, instructions, settings, random.Random(0)).pod != "p0"
+    assert choose_pod(pods, replace(instructions, instructions_blocks=4), settings, random.Random(0)).pod == "p0"
     # more adapters than slots (3 pods x 2): every request of an adapter to its dealt pod, up to two margins busier
     scarce = RouteRequest("a", home="p0", gateways=3, dealt_adapters=12)
     assert choose_pod(running, scarce, settings, random.Random(0)).pod == "p0"

@@ -6,6 +6,8 @@ from .decision import Candidate, Condition, DecisionRun, Outcome, Part, Picker
 from .placement import (
     adapter_holders,
     fewest_prefixes,
+    instructions_led,
+    longest_match_holders,
     outpaced,
     slots_scarce,
     starts_sooner_elsewhere,
@@ -109,19 +111,23 @@ class DealtWhileSlotsScarce(Condition):
 
 
 class DealtNewAdapter(Condition):
-    """With several gateways, an adapter no candidate runs yet: its dealt pod, unless more than `spill_queue_margin`
-    busier than the least busy pod. Peers place a new adapter at the same moment from views that have not yet heard
-    of each other's dispatches (a burst's first requests): each one's least predicted time to first token then
-    starts the adapter on a different pod, and each copy takes a LoRA slot. Dealt alike, they start it once.
-    Disabling the `dealt` rule turns dealing off."""
+    """With several gateways, an adapter no candidate runs yet, for a prompt that places no prefix: its dealt pod,
+    unless more than `spill_queue_margin` busier than the least busy pod. Peers place a new adapter at the same
+    moment from views that have not yet heard of each other's dispatches (a burst's first requests): each one's
+    least predicted time to first token then starts the adapter on a different pod, and each copy takes a LoRA slot.
+    Dealt alike, they start it once. A prompt some pod holds, or one mostly of an app's instructions, is placed for
+    the cache instead (`PrefixAffinityTtft`, `NewInstructions`): the app's later requests follow it there, and a deal
+    blind to where other apps' prefixes live stacked a chat app on the pod of another's, whose conversations then
+    moved between pods (docs/routing.md). Disabling the `dealt` rule turns dealing off."""
 
     name = "dealt_new_adapter"
 
     def test(self, pods: list[Candidate], run: DecisionRun) -> bool:
-        request = run.request
+        request, settings = run.request, run.settings
         adapter = request.adapter
         if (adapter is None or request.gateways == 1 or request.home is None or not run.enabled("dealt")
-                or any(adapter in p.active_adapters for p in pods)):
+                or any(adapter in p.active_adapters for p in pods) or instructions_led(request, settings)
+                or longest_match_holders(pods, request, settings)):
             return False
         return _dealt_within(pods, run, margins=1)
 

@@ -12,7 +12,9 @@ from .placement import (
     computing_tokens,
     fastest,
     large_there,
+    instructions_led,
     least_band_int,
+    longest_match_holders,
     not_far_busier,
     soonest_start,
     tokens_per_block,
@@ -335,32 +337,12 @@ class NewInstructions(Filter):
 
     def keep(self, pods: list[Candidate], run: DecisionRun) -> list[Candidate]:
         request, settings = run.request, run.settings
-        instructions = request.instructions_blocks
-        if instructions < settings.prefix_min_blocks or 2 * instructions < request.prefix_blocks:
-            return pods
-        if longest_match_holders(pods, request, settings):
+        if not instructions_led(request, settings) or longest_match_holders(pods, request, settings):
             return pods  # held somewhere: the holders' rule (`PrefixAffinityTtft`) decides
         roomy = soonest_start(not_far_busier(pods, settings), request, settings)
         known = [request.prefix_sizes.get(p.key, 0) for p in roomy]
         edge = least_band_int(known, run.width)
         return [p for p, blocks in zip(roomy, known) if blocks <= edge]
-
-
-def longest_match_holders(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> list[Candidate]:
-    """The pods holding the prompt's longest cached prefix, when it is at least `prefix_min_blocks` long (every
-    chat shares its first few characters); none otherwise."""
-    matches = request.prefix_matches
-    if not matches:
-        return []
-    get = matches.get
-    best, holders = settings.prefix_min_blocks, []
-    for p in pods:  # one pass: it runs for every candidate, two or three times a decision
-        blocks = get(p.key, 0)
-        if blocks >= best:
-            if blocks > best:
-                best, holders = blocks, []
-            holders.append(p)
-    return holders
 
 
 def _second_holder(pods: list[Candidate], holders: list[Candidate], kept: list[Candidate], run: DecisionRun,

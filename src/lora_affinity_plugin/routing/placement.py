@@ -85,6 +85,31 @@ def fewest_prefixes(pods: list[Candidate], request: RouteRequest, width: float) 
     return [p for p, size in zip(pods, sizes) if size <= edge]
 
 
+def longest_match_holders(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> list[Candidate]:
+    """The pods holding the prompt's longest cached prefix, when it is at least `prefix_min_blocks` long (every
+    chat shares its first few characters); none otherwise."""
+    matches = request.prefix_matches
+    if not matches:
+        return []
+    get = matches.get
+    best, holders = settings.prefix_min_blocks, []
+    for p in pods:  # one pass: it runs for every candidate, two or three times a decision
+        blocks = get(p.key, 0)
+        if blocks >= best:
+            if blocks > best:
+                best, holders = blocks, []
+            holders.append(p)
+    return holders
+
+
+def instructions_led(request: RouteRequest, settings: RuleSettings) -> bool:
+    """The prompt is mostly an app's instructions: its `system` or `developer` first message is at least
+    `prefix_min_blocks` long and fills at least half of its prefix blocks. Where it first lands, the app's later
+    requests follow it."""
+    instructions = request.instructions_blocks
+    return instructions >= settings.prefix_min_blocks and 2 * instructions >= request.prefix_blocks
+
+
 def not_far_busier(pods: list[Candidate], settings: RuleSettings, among: list[Candidate] | None = None,
                    least: int | None = None) -> list[Candidate]:
     """Pods (of `among`, default all) not far busier than `pods`' least busy: a pod is far busier when it reported
