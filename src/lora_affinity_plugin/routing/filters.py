@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .conditions import AdapterSurvey
-from .decision import Candidate, DecisionRun, Filter, RouteRequest, RuleSettings
+from .decision import Candidate, DecisionRun, Filter
 from .placement import (
     LARGE_PROMPT_SHARE,
     admits_now,
