@@ -43,6 +43,25 @@ def test_the_adapters_wait_is_nothing_when_running_a_load_with_a_free_slot_and_h
     assert with_slot.harm_s > 0  # a second adapter slows the running batch
 
 
+def test_an_adapter_only_waiting_for_a_slot_waits_like_a_new_one_while_the_fleet_has_slots_for_every_adapter():
+    # b's requests wait on p: both slots hold a and c (vLLM passes over b's while they do)
+    waiting = replace(pod(adapters=("a", "b", "c")), running_adapters=frozenset({"a", "c"}))
+    fits, scarce = RouteRequest("b", served_adapters=4), RouteRequest("b", served_adapters=12)
+    in_slot = predict(replace(waiting, running_adapters=frozenset({"a", "b"})), fits, TPB, 0, every_adapter_fits=True)
+    new = predict(pod(adapters=("a", "c")), fits, TPB, 0, every_adapter_fits=True)
+    waits = predict(waiting, fits, TPB, 0, every_adapter_fits=True)
+    assert in_slot.adapter_s == 0 and waits.adapter_s == GENERATION_S / 2
+    assert new.adapter_s > waits.adapter_s and waits.harm_s == 0 < new.harm_s  # it takes no slot anew
+    # more adapters than slots: waiting is the norm, and a batch of its requests there is worth the wait
+    assert predict(waiting, scarce, TPB, 0).adapter_s == 0
+    unknown = replace(waiting, running_adapters=None)  # an engine that does not tell them apart
+    assert predict(unknown, fits, TPB, 0, every_adapter_fits=True).adapter_s == 0
+    # the fleet's slots come from the candidates: 2 pods of 2 slots hold 4 adapters, not 12
+    pods = [waiting, replace(pod("q", adapters=()), running_adapters=frozenset())]
+    assert predictions(pods, fits, build_settings({}, environ={}))["p"].adapter_s == GENERATION_S / 2
+    assert predictions(pods, scarce, build_settings({}, environ={}))["p"].adapter_s == 0
+
+
 def test_the_queue_counts_reported_waiting_requests_dispatches_since_the_scrape_and_prompts_still_computing():
     request = RouteRequest(None)
     idle = predict(pod(running=0), request, TPB, 0).queue_s

@@ -269,6 +269,7 @@ class FleetView:
             rates=state.record.rates or DEFAULT_RATES,
             kv_free_tokens=None if size is None else int((1 - metrics.kv_cache_usage) * size),
             kv_cache_tokens=size,
+            running_adapters=metrics.running_lora_adapters,
         )
 
     def _memory(self, max_lora: int | None) -> int:

@@ -37,8 +37,10 @@ ADAPTER_STEP_SHARE = 0.005
 
 
 def expected_step_s(running: float, kv_tokens: float) -> float:
-    """A decode step at speed 1 for a batch of `running` requests holding `kv_tokens` of KV cache."""
-    return DECODE_STEP_S + DECODE_S_PER_SEQ * max(0.0, running) + DECODE_S_PER_KV_TOKEN * max(0.0, kv_tokens)
+    """A decode step at speed 1 for a batch of `running` requests holding `kv_tokens` of KV cache. (Conditionals, not
+    `max`: it runs for every candidate of a decision.)"""
+    return (DECODE_STEP_S + DECODE_S_PER_SEQ * (running if running > 0.0 else 0.0)
+            + DECODE_S_PER_KV_TOKEN * (kv_tokens if kv_tokens > 0.0 else 0.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,9 @@ class Candidate:
     """Tokens its KV cache had free at the scrape (None: the page did not say how big the cache is)."""
     kv_cache_tokens: int | None = None
     """Tokens its KV cache holds in all (None: the page did not say)."""
+    running_adapters: frozenset[str] | None = None
+    """The adapters in its LoRA slots at the scrape (`active_adapters` less those only waiting for a slot; None:
+    not known apart, every active adapter taken as running)."""
     load: int = field(init=False, repr=False, compare=False)
     """waiting + running (a field, not a property: the rules read it for every pod at every step)."""
     terms: Any = field(default=None, init=False, repr=False, compare=False)
@@ -99,7 +102,8 @@ class Candidate:
                          active_adapters=self.active_adapters | adapters if adapters else self.active_adapters,
                          resident_adapters=self.resident_adapters, max_lora=self.max_lora,
                          reported_waiting=self.reported_waiting, rates=self.rates, slowness=self.slowness,
-                         kv_free_tokens=self.kv_free_tokens, kv_cache_tokens=self.kv_cache_tokens)
+                         kv_free_tokens=self.kv_free_tokens, kv_cache_tokens=self.kv_cache_tokens,
+                         running_adapters=self.running_adapters)
 
     def has_free_slot(self) -> bool:
         # max_lora unknown (None) or 0 (LoRA off, or an old server) never blocks placement.

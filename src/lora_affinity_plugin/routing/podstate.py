@@ -100,7 +100,7 @@ class PodRates:
         return cls(learned=learned, **values)
 
     def prefill_s(self, tokens: float) -> float:
-        return self.prefill_factor * (PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * max(0.0, tokens))
+        return self.prefill_factor * (PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * (tokens if tokens > 0.0 else 0.0))
 
     def to_dict(self) -> dict[str, float | bool]:
         return {"prefill_factor": round(self.prefill_factor, 4), "decode_step_s": round(self.decode_step_s, 5),

@@ -8,7 +8,8 @@ each term by hand (docs/routing.md, "The predicted time to first token"):
   (`COLD_ADAPTER_S`) when the pod has not run it lately and the fleet serves more adapters than a pod keeps; when
   every slot holds another adapter, vLLM admits the request only once one of them has no request left: about
   half a generation, the mean time for the running requests to end, and as much again for each `max_lora`
-  adapters already waiting there for a slot.
+  adapters already waiting there for a slot. The same for an adapter the pod lists only as waiting for a slot,
+  while the candidates' slots could hold every served adapter (`every_adapter_fits`): another pod could run it now.
 - ``queue``: the work ahead of it. The prompts still being computed there (`RouteRequest.prefilling`: the long
   prompts this gateway sent there), the requests the pod reported waiting (each holds admission for its learned
   seconds per queued request; only its adapter's share of them when its adapter runs and others wait for a
@@ -105,21 +106,32 @@ def adapter_slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:
 
 def slots_in_use(pods: list[Candidate]) -> float:
     """The share of the pods' LoRA slots their active adapters take (0 when no pod says how many it has)."""
+    taken, slots = slot_counts(pods)
+    return taken / slots if slots else 0.0
+
+
+def slot_counts(pods: list[Candidate]) -> tuple[int, int]:
+    """The pods' LoRA slots their active adapters take, and their slots in all."""
     slots = taken = 0
     for p in pods:  # a loop, not two sums of generators: it runs two or three times a decision over every candidate
-        if p.max_lora:
-            slots += p.max_lora
-            taken += min(len(p.active_adapters), p.max_lora)
-    return taken / slots if slots else 0.0
+        max_lora = p.max_lora
+        if max_lora:
+            active = len(p.active_adapters)
+            slots += max_lora
+            taken += active if active < max_lora else max_lora
+    return taken, slots
 
 
 def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> dict[str, Prediction]:
     """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
     per_block = tokens_per_block(request, settings)
     best_match = max(request.prefix_matches.values(), default=0)
-    scarce = adapter_slots_scarce(pods, request)
+    taken, slots = slot_counts(pods)
+    scarce = request.adapter is not None and slots > 0 and taken / slots >= SCARCE_SLOTS
+    fits = 0 < request.served_adapters <= slots
     output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None
-    return {p.key: predict(p, request, per_block, best_match, scarce, settings.residency_memory, output) for p in pods}
+    memory = settings.residency_memory
+    return {p.key: predict(p, request, per_block, best_match, scarce, memory, output, fits) for p in pods}
 
 
 def run_predictions(pods: list[Candidate], run: DecisionRun) -> dict[str, Prediction]:
@@ -173,13 +185,15 @@ def pod_terms(p: Candidate) -> PodTerms:
 
 
 def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_match: int,
-            slots_scarce: bool = False, residency_memory: int = 2, output_tokens: float | None = None) -> Prediction:
+            slots_scarce: bool = False, residency_memory: int = 2, output_tokens: float | None = None,
+            every_adapter_fits: bool = False) -> Prediction:
     """The request's predicted first token on `p` (the module's docstring says why each term). `slots_scarce`:
     most of the fleet's LoRA slots are taken, so every slot taken is one another adapter is likely to wait for
     (the slot term then grows with the pod's share of slots in use, not its square). `residency_memory`: how many
     times its slots the pod's remembered adapters may number (`Settings.residency_memory`). `output_tokens`: the
     answer's expected length, alike on every candidate (the candidates' mean; the pod's own when None), so one
-    pod's noisier rate does not move the generation term.
+    pod's noisier rate does not move the generation term. `every_adapter_fits`: the candidates' LoRA slots number at
+    least the served adapters, so an adapter waiting for a slot on a pod is one another pod could run now.
 
     Runs for every candidate of a decision (64 pods: most of a decision's time), so what no request changes is
     computed once per view of the pod (`pod_terms`), and it compares with `<` rather than calling `min` and `max`."""
@@ -211,10 +225,17 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
             if max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
                 share = len(active) / max_lora if len(active) < max_lora else 1.0
                 harm_s += (share if slots_scarce else share * share) * generation_s / 2
-    elif adapter is not None and max_lora and len(active) > max_lora:
-        # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the queue
-        # is ahead of it (about one adapter's in every distinct adapter there)
-        queued = queued / len(active)
+    elif adapter is not None and max_lora:
+        in_slots = p.running_adapters
+        if every_adapter_fits and in_slots is not None and adapter not in in_slots and len(in_slots) >= max_lora:
+            # Its requests there wait for a slot (vLLM passes over them while every slot holds another adapter):
+            # as long as a new adapter would, behind the other adapters waiting there, but it takes no slot anew.
+            waiting_adapters = len(active) - len(in_slots) - 1
+            adapter_s = (1 + (waiting_adapters if waiting_adapters > 0 else 0) / max_lora) * generation_s / 2
+        elif len(active) > max_lora:
+            # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the queue
+            # is ahead of it (about one adapter's in every distinct adapter there)
+            queued = queued / len(active)
 
     computing_s = request.prefilling.get(p.key, 0.0)
     queue_s = computing_s + queued * rates.queue_s_per_request + pod.queue_s
