@@ -248,7 +248,8 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
         per_request = pod.per_running if pod.per_running > prompt else prompt
         ahead = (queued + pod.sent) * per_request
         if computing_s:
-            ahead += computing_s / max(rates.prefill_factor * PREFILL_S_PER_TOKEN, 1e-12)
+            per_token = rates.prefill_factor * PREFILL_S_PER_TOKEN
+            ahead += computing_s / (per_token if per_token > 1e-12 else 1e-12)
         shortfall = uncached + ahead - free
         if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
             generations = 1.0 + shortfall / pod.held
