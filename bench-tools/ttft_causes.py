@@ -17,7 +17,7 @@ now; ``fit``, only the replicas with no queue and room for the prompt now, when 
 what fresher metrics, or a rule that sends nothing to a full replica, could win.
 
     .venv/bin/python bench-tools/ttft_causes.py SCENARIO RATE SEEDS [STRATEGY] [--oracle kv|state|fit]
-    # e.g. ttft_causes.py mixed 4.4 10
+    # e.g. ttft_causes.py mixed 4.4 10;  ttft_causes.py 'shared-instructions#132' 11.056 5 (a workload variant)
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lora_affinity_lab.bench import fast, policies
 from lora_affinity_lab.bench.fast import FastObserver
 from lora_affinity_lab.bench.latency import TTFT_TARGET_S
 from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
+from lora_affinity_lab.bench.variants import draw
 from lora_affinity_lab.sim.engine import ReplicaEngine
 
 CAUSES = ("own prefill", "behind prefill", "KV room", "LoRA slot")
@@ -90,12 +91,20 @@ class _OracleRules:
         return policy
 
 
+def _scenario(name: str):
+    """A named scenario, or a workload variant named as docs/benchmarks.md names its rows (`family#seed`)."""
+    if "#" in name:
+        family, variant_seed = name.split("#")
+        return draw(family, int(variant_seed)).scenario
+    return get_scenario(name)
+
+
 def _one_seed(args: tuple[str, float, int, str, str | None]) -> tuple[list[tuple[float, dict]], int, float]:
     """Per request (TTFT, seconds by cause), the run's preemptions, and its TTFT p90."""
     name, rate, seed, strategy, oracle = args
     causes = _Causes()
     factory = _OracleRules(oracle, causes) if oracle else policies.make_policy
-    result = fast.run_fast(at_rate(get_scenario(name), rate), strategy, seed, observer=causes, policy_factory=factory)
+    result = fast.run_fast(at_rate(_scenario(name), rate), strategy, seed, observer=causes, policy_factory=factory)
     rows = [(o.ttft_s if o.ttft_s is not None else float("inf"), dict(causes.waited.get(str(i), {})))
             for i, o in sorted(causes.outcomes.items())]  # (fast mode names each request's sequence by its index)
     return rows, sum(e.preemptions for e in causes.engines), result.ttft_s.get("p90", float("nan"))
