@@ -84,6 +84,19 @@ def test_an_idle_pod_keeps_its_adapters_resident():
     assert len(fleet.candidates(["a"], 100.5)[0].resident_adapters) == 2
 
 
+def test_a_pod_s_adapters_in_slots_are_told_apart_from_those_waiting_for_one():
+    from dataclasses import replace
+
+    fleet = FleetView(S)
+    record = rec("a", 100.0, running={"x", "y"}, max_lora=2)
+    fleet.update({"a": replace(record, metrics=replace(record.metrics, waiting_lora_adapters=frozenset({"y", "z"})))})
+    (c,) = fleet.candidates(["a"], 100.1)
+    assert c.active_adapters == {"x", "y", "z"} and c.running_adapters == {"x", "y"}
+    fleet.note_dispatch("a", "w", 100.2, "call-1")  # sent since the scrape: active, not known to hold a slot
+    (c,) = fleet.candidates(["a"], 100.3)
+    assert "w" in c.active_adapters and c.running_adapters == {"x", "y"}
+
+
 def test_server_reported_residency_wins():
     fleet = FleetView(S)
     fleet.update({"a": rec("a", 100.0, running={"x"}, loaded={"p", "q"})})

@@ -202,7 +202,7 @@ def test_a_view_with_dispatches_keeps_every_other_field_of_the_pod():
     from lora_affinity_plugin.routing.podstate import PodRates
 
     base = Candidate("a", 2, 3, 0.4, frozenset({"x"}), frozenset({"x", "y"}), max_lora=4, reported_waiting=2,
-                     rates=PodRates(prefill_factor=2.0), slowness=2.0, kv_free_tokens=1000)
+                     rates=PodRates(prefill_factor=2.0), slowness=2.0, kv_free_tokens=1000, running_adapters=frozenset({"x"}))
     view = base.with_dispatches(3, {"z"})
     assert view.waiting == 5 and view.load == 8 and view.active_adapters == {"x", "z"}
     for f in fields(Candidate):
