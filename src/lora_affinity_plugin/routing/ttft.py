@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import ADAPTER_LOAD_S, batch_harm_s, copy_harm_s, expected_step_s
+from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, copy_harm_s, expected_step_s
 from .decision import Candidate, DecisionRun, RouteRequest, RuleSettings
 from .placement import tokens_per_block
 from .podstate import PREFILL_S_PER_TOKEN
@@ -164,6 +164,10 @@ class PodTerms:
     """`kv_used`, at least 1: what the room term divides by."""
     per_running: float
     """Tokens each running request holds there, on average (`held` over the running requests; 0 when none runs)."""
+    step_s: float
+    """Its decode step with one more request in the batch (`cost.expected_step_s` times its decode factor)..."""
+    step_s_per_token: float
+    """...and what each token that request brings adds to it."""
 
 
 def pod_terms(p: Candidate) -> PodTerms:
@@ -179,8 +183,11 @@ def pod_terms(p: Candidate) -> PodTerms:
         free, size = p.kv_free_tokens, p.kv_cache_tokens
         kv_used = size - free if free is not None and size and size > free else 0.0
         held = kv_used if kv_used > 1.0 else 1.0
+        factor = rates.decode_factor
         terms = p.terms = PodTerms(rates.decode_step_s * rates.mean_output_tokens, queued, sent, queue_s, kv_used,
-                                   held, held / p.running if p.running else 0.0)
+                                   held, held / p.running if p.running else 0.0,
+                                   factor * expected_step_s(p.running + p.waiting + 1, kv_used),
+                                   factor * DECODE_S_PER_KV_TOKEN)
     return terms
 
 
@@ -256,8 +263,7 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
             room_s = (generations if generations < ROOM_GENERATIONS else ROOM_GENERATIONS) * generation_s
 
     output = output_tokens if output_tokens is not None else rates.mean_output_tokens
-    step_s = rates.decode_factor * expected_step_s(running + p.waiting + 1, pod.kv_used + prompt + output / 2)
-    generation = GENERATION_SHARE * step_s * output
+    generation = GENERATION_SHARE * output * (pod.step_s + pod.step_s_per_token * (prompt + output / 2))
 
     if best_match > held:
         harm_s += copy_harm_s(rates, (best_match - held) * tokens_per_block)
