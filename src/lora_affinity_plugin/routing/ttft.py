@@ -101,7 +101,12 @@ def band_edge(least: Prediction, settings: RuleSettings) -> float:
 def adapter_slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:
     """An adapter's request while `SCARCE_SLOTS` of the pods' LoRA slots are in use: each slot it takes is one another
     adapter is likely to wait for."""
-    return request.adapter is not None and slots_in_use(pods) >= SCARCE_SLOTS
+    return _slots_scarce(request, *slot_counts(pods))
+
+
+def _slots_scarce(request: RouteRequest, taken: int, slots: int) -> bool:
+    """`adapter_slots_scarce` from counts already taken (0 slots: no pod says how many it has, never scarce)."""
+    return request.adapter is not None and slots > 0 and taken / slots >= SCARCE_SLOTS
 
 
 def slots_in_use(pods: list[Candidate]) -> float:
@@ -127,7 +132,7 @@ def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSett
     per_block = tokens_per_block(request, settings)
     best_match = max(request.prefix_matches.values(), default=0)
     taken, slots = slot_counts(pods)
-    scarce = request.adapter is not None and slots > 0 and taken / slots >= SCARCE_SLOTS
+    scarce = _slots_scarce(request, taken, slots)
     fits = 0 < request.served_adapters <= slots
     output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None
     memory = settings.residency_memory
