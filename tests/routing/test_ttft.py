@@ -334,7 +334,8 @@ def _candidates(draw):
         pods.append(Candidate(key, waiting, draw(st.integers(0, 500)), draw(st.floats(0, 1)), active, resident,
                               draw(st.one_of(st.none(), st.integers(1, 8))),
                               reported_waiting=draw(st.integers(0, waiting)), rates=draw(_RATES),
-                              kv_free_tokens=free, kv_cache_tokens=size))
+                              kv_free_tokens=free, kv_cache_tokens=size,
+                              running_adapters=draw(st.one_of(st.none(), st.frozensets(_ADAPTERS, max_size=5)))))
     return pods
 
 
@@ -343,7 +344,8 @@ def _candidates(draw):
 def test_any_fleet_and_request_get_a_finite_prediction_and_a_pick_among_the_candidates(pods, adapter, blocks, data):
     """What the new terms read (batch sizes, KV free and size, learned rates at their bounds, prefixes known cached
     anywhere, an app's instructions unseen or held, a conversation's next turn, a document under KV pressure, peers
-    dealing adapters to a pod that may not be a candidate) cannot make the estimate raise or leave the candidates."""
+    dealing adapters to a pod that may not be a candidate, adapters in slots told apart or not, even more of them than
+    slots or some no longer active) cannot make the estimate raise or leave the candidates."""
     keys = [p.key for p in pods]
     matches = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, blocks)))
     sizes = data.draw(st.dictionaries(st.sampled_from(keys), st.integers(0, 10**7)))
