@@ -42,10 +42,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, copy_harm_s, expected_step_s
+from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, expected_step_s
 from .decision import Candidate, DecisionRun, RouteRequest, RuleSettings
 from .placement import tokens_per_block
-from .podstate import PREFILL_S_PER_TOKEN
+from .podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN
 
 SCARCE_SLOTS = 0.75
 """The share of the candidates' LoRA slots in use past which slots count as scarce (`predict`'s slot term)."""
@@ -129,14 +129,11 @@ def slot_counts(pods: list[Candidate]) -> tuple[int, int]:
 
 def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> dict[str, Prediction]:
     """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
-    per_block = tokens_per_block(request, settings)
-    best_match = max(request.prefix_matches.values(), default=0)
     taken, slots = slot_counts(pods)
-    scarce = _slots_scarce(request, taken, slots)
-    fits = 0 < request.served_adapters <= slots
     output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None
-    memory = settings.residency_memory
-    return {p.key: predict(p, request, per_block, best_match, scarce, memory, output, fits) for p in pods}
+    return _predict_each(pods, request, tokens_per_block(request, settings),
+                         max(request.prefix_matches.values(), default=0), _slots_scarce(request, taken, slots),
+                         settings.residency_memory, output, 0 < request.served_adapters <= slots)
 
 
 def run_predictions(pods: list[Candidate], run: DecisionRun) -> dict[str, Prediction]:
@@ -173,6 +170,16 @@ class PodTerms:
     """Its decode step with one more request in the batch (`cost.expected_step_s` times its decode factor)..."""
     step_s_per_token: float
     """...and what each token that request brings adds to it."""
+    prefill_factor: float
+    """Its learned prefill speed against the default's (`PodRates.prefill_factor`)..."""
+    prefill_s_per_token: float
+    """...and the seconds a token of prefill takes there."""
+    batch_harm_s: float
+    """What a new adapter in its running batch costs the running requests (`cost.batch_harm_s`)."""
+    queue_s_per_request: float
+    """How long each request it reported waiting holds admission there (`PodRates.queue_s_per_request`)."""
+    kv_free: int | None
+    """Tokens its KV cache had free, where the page said how big the cache is (None: the room term is left out)."""
 
 
 def pod_terms(p: Candidate) -> PodTerms:
@@ -192,7 +199,9 @@ def pod_terms(p: Candidate) -> PodTerms:
         terms = p.terms = PodTerms(rates.decode_step_s * rates.mean_output_tokens, queued, sent, queue_s, kv_used,
                                    held, held / p.running if p.running else 0.0,
                                    factor * expected_step_s(p.running + p.waiting + 1, kv_used),
-                                   factor * DECODE_S_PER_KV_TOKEN)
+                                   factor * DECODE_S_PER_KV_TOKEN, rates.prefill_factor,
+                                   rates.prefill_factor * PREFILL_S_PER_TOKEN, batch_harm_s(p.running, rates),
+                                   rates.queue_s_per_request, free if size else None)
     return terms
 
 
@@ -205,71 +214,87 @@ def predict(p: Candidate, request: RouteRequest, tokens_per_block: float, best_m
     times its slots the pod's remembered adapters may number (`Settings.residency_memory`). `output_tokens`: the
     answer's expected length, alike on every candidate (the candidates' mean; the pod's own when None), so one
     pod's noisier rate does not move the generation term. `every_adapter_fits`: the candidates' LoRA slots number at
-    least the served adapters, so an adapter waiting for a slot on a pod is one another pod could run now.
+    least the served adapters, so an adapter waiting for a slot on a pod is one another pod could run now."""
+    return _predict_each([p], request, tokens_per_block, best_match, slots_scarce, residency_memory, output_tokens,
+                         every_adapter_fits)[p.key]
 
-    Runs for every candidate of a decision (64 pods: most of a decision's time), so what no request changes is
-    computed once per view of the pod (`pod_terms`), and it compares with `<` rather than calling `min` and `max`."""
-    rates = p.rates
-    pod = pod_terms(p)
-    running, active, max_lora = p.running, p.active_adapters, p.max_lora
+
+def _predict_each(pods: list[Candidate], request: RouteRequest, tokens_per_block: float, best_match: int,
+                  slots_scarce: bool, residency_memory: int, output_tokens: float | None,
+                  every_adapter_fits: bool) -> dict[str, Prediction]:
+    """`predict` for each of `pods`. It runs for every candidate of a decision (64 pods: most of a decision's time),
+    so it is one loop: what no pod changes is read once, what no request changes once per view of the pod
+    (`pod_terms`), and it compares with `<` rather than calling `min` and `max`."""
     blocks = request.prefix_blocks
-    held = request.prefix_matches.get(p.key, 0)
     prompt = blocks * tokens_per_block
-    uncached = (blocks - held) * tokens_per_block if held < blocks else 0.0
-    generation_s = pod.generation_s
-    queued = pod.queued
-
-    adapter_s = harm_s = 0.0
+    matched = request.prefix_matches.get
+    computing = request.prefilling.get
     adapter = request.adapter
-    if adapter is not None and adapter not in active:
-        if adapter not in p.resident_adapters:
-            adapter_s = ADAPTER_LOAD_S
-            if max_lora and request.served_adapters > residency_memory * max_lora:
-                # The fleet serves more adapters than a pod keeps at hand: one it has not run lately is on disk.
-                # vLLM loads it within a step, so the queue there waits for it too; and it evicts the adapter
-                # the pod ran least lately, whose next request there loads from disk in turn.
-                adapter_s += COLD_ADAPTER_S
-                harm_s = (queued + 1) * COLD_ADAPTER_S
-        if max_lora and len(active) >= max_lora:  # no free slot: after the adapters already waiting for one there
-            adapter_s += (1 + (len(active) - max_lora) / max_lora) * generation_s / 2
-        if active:
-            harm_s += batch_harm_s(running, rates)
-            if max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
-                share = len(active) / max_lora if len(active) < max_lora else 1.0
-                harm_s += (share if slots_scarce else share * share) * generation_s / 2
-    elif adapter is not None and max_lora:
-        in_slots = p.running_adapters
-        if every_adapter_fits and in_slots is not None and adapter not in in_slots and len(in_slots) >= max_lora:
-            # Its requests there wait for a slot (vLLM passes over them while every slot holds another adapter):
-            # as long as a new adapter would, behind the other adapters waiting there, but it takes no slot anew.
-            waiting_adapters = len(active) - len(in_slots) - 1
-            adapter_s = (1 + (waiting_adapters if waiting_adapters > 0 else 0) / max_lora) * generation_s / 2
-        elif len(active) > max_lora:
-            # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the queue
-            # is ahead of it (about one adapter's in every distinct adapter there)
-            queued = queued / len(active)
+    served = request.served_adapters
+    out: dict[str, Prediction] = {}
+    for p in pods:
+        pod = p.terms
+        if pod is None:
+            pod = pod_terms(p)
+        active, max_lora = p.active_adapters, p.max_lora
+        held = matched(p.key, 0)
+        uncached = (blocks - held) * tokens_per_block if held < blocks else 0.0
+        generation_s = pod.generation_s
+        queued = pod.queued
 
-    computing_s = request.prefilling.get(p.key, 0.0)
-    queue_s = computing_s + queued * rates.queue_s_per_request + pod.queue_s
+        adapter_s = harm_s = 0.0
+        if adapter is not None and adapter not in active:
+            if adapter not in p.resident_adapters:
+                adapter_s = ADAPTER_LOAD_S
+                if max_lora and served > residency_memory * max_lora:
+                    # The fleet serves more adapters than a pod keeps at hand: one it has not run lately is on
+                    # disk. vLLM loads it within a step, so the queue there waits for it too; and it evicts the
+                    # adapter the pod ran least lately, whose next request there loads from disk in turn.
+                    adapter_s += COLD_ADAPTER_S
+                    harm_s = (queued + 1) * COLD_ADAPTER_S
+            if max_lora and len(active) >= max_lora:  # no free slot: after the adapters already waiting for one
+                adapter_s += (1 + (len(active) - max_lora) / max_lora) * generation_s / 2
+            if active:
+                harm_s += pod.batch_harm_s
+                if max_lora:  # and it takes a slot: another adapter's next request may find none (half a generation)
+                    share = len(active) / max_lora if len(active) < max_lora else 1.0
+                    harm_s += (share if slots_scarce else share * share) * generation_s / 2
+        elif adapter is not None and max_lora:
+            in_slots = p.running_adapters
+            if every_adapter_fits and in_slots is not None and adapter not in in_slots and len(in_slots) >= max_lora:
+                # Its requests there wait for a slot (vLLM passes over them while every slot holds another adapter):
+                # as long as a new adapter would, behind the other adapters waiting there, but it takes no slot anew.
+                waiting_adapters = len(active) - len(in_slots) - 1
+                adapter_s = (1 + (waiting_adapters if waiting_adapters > 0 else 0) / max_lora) * generation_s / 2
+            elif len(active) > max_lora:
+                # vLLM admits a request whose adapter runs past those waiting for a slot: only its share of the
+                # queue is ahead of it (about one adapter's in every distinct adapter there)
+                queued = queued / len(active)
 
-    room_s = 0.0
-    free = p.kv_free_tokens
-    if free is not None and p.kv_cache_tokens:
-        # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
-        # waiting what a running request holds, or at least this prompt; then its own uncached tokens.
-        per_request = pod.per_running if pod.per_running > prompt else prompt
-        ahead = (queued + pod.sent) * per_request
-        if computing_s:
-            per_token = rates.prefill_factor * PREFILL_S_PER_TOKEN
-            ahead += computing_s / (per_token if per_token > 1e-12 else 1e-12)
-        shortfall = uncached + ahead - free
-        if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
-            generations = 1.0 + shortfall / pod.held
-            room_s = (generations if generations < ROOM_GENERATIONS else ROOM_GENERATIONS) * generation_s
+        computing_s = computing(p.key, 0.0)
+        queue_s = computing_s + queued * pod.queue_s_per_request + pod.queue_s
 
-    output = output_tokens if output_tokens is not None else rates.mean_output_tokens
-    generation = GENERATION_SHARE * output * (pod.step_s + pod.step_s_per_token * (prompt + output / 2))
+        room_s = 0.0
+        free = pod.kv_free
+        if free is not None:
+            # The requests ahead take room first: those still computing (at the pod's prefill speed), and each one
+            # waiting what a running request holds, or at least this prompt; then its own uncached tokens.
+            per_request = pod.per_running if pod.per_running > prompt else prompt
+            ahead = (queued + pod.sent) * per_request
+            if computing_s:
+                per_token = pod.prefill_s_per_token
+                ahead += computing_s / (per_token if per_token > 1e-12 else 1e-12)
+            shortfall = uncached + ahead - free
+            if shortfall > 0:  # the first request to end comes after about a whole generation, then one per share
+                generations = 1.0 + shortfall / pod.held
+                room_s = (generations if generations < ROOM_GENERATIONS else ROOM_GENERATIONS) * generation_s
 
-    if best_match > held:
-        harm_s += copy_harm_s(rates, (best_match - held) * tokens_per_block)
-    return Prediction(adapter_s, queue_s, room_s, rates.prefill_s(uncached), harm_s, int(uncached), generation)
+        output = output_tokens if output_tokens is not None else p.rates.mean_output_tokens
+        generation = GENERATION_SHARE * output * (pod.step_s + pod.step_s_per_token * (prompt + output / 2))
+
+        if best_match > held:
+            harm_s += pod.prefill_s_per_token * ((best_match - held) * tokens_per_block)
+        out[p.key] = Prediction(adapter_s, queue_s, room_s,
+                                pod.prefill_factor * (PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * uncached),
+                                harm_s, int(uncached), generation)
+    return out
