@@ -210,7 +210,7 @@ class DecisionRun:
         """The adapter's holders within the spill margin (`adapter_survey`): where `adapter_roomy` holds and
         `adapter_active` keeps. (The `roomy` rule is another question: pods not far busier than the least busy.)"""
         self.dealt: list[Candidate] = []
-        self.predicted: tuple[tuple[str, ...], dict] | None = None
+        self.predicted: tuple[list[Candidate], dict] | None = None
         """The last candidates' predictions (`ttft.run_predictions`): a filter and the scorer after it that see the
         same pods compute them once."""
 

@@ -83,7 +83,8 @@ class PredictedTtft(Scorer):
 
     def edge(self, costs: list[float], run: DecisionRun) -> float:
         assert run.predicted is not None  # (`costs` just computed them, for these pods, in their order)
-        least = list(run.predicted[1].values())[costs.index(min(costs))]
+        pods, predicted = run.predicted
+        least = predicted[pods[costs.index(min(costs))].key]
         return band_edge(least, run.settings)
 
 

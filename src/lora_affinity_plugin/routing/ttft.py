@@ -41,6 +41,7 @@ learned rates carry noise); gateways break the remaining tie alike by rendezvous
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import is_
 
 from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, expected_step_s
 from .decision import Candidate, DecisionRun, RouteRequest, RuleSettings
@@ -130,7 +131,7 @@ def slot_counts(pods: list[Candidate]) -> tuple[int, int]:
 def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSettings) -> dict[str, Prediction]:
     """Each candidate's prediction, as the rule set decides and `explain` prints: one call, so they agree."""
     taken, slots = slot_counts(pods)
-    output = sum(p.rates.mean_output_tokens for p in pods) / len(pods) if pods else None
+    output = sum([p.rates.mean_output_tokens for p in pods]) / len(pods) if pods else None
     return _predict_each(pods, request, tokens_per_block(request, settings),
                          max(request.prefix_matches.values(), default=0), _slots_scarce(request, taken, slots),
                          settings.residency_memory, output, 0 < request.served_adapters <= slots)
@@ -139,11 +140,12 @@ def predictions(pods: list[Candidate], request: RouteRequest, settings: RuleSett
 def run_predictions(pods: list[Candidate], run: DecisionRun) -> dict[str, Prediction]:
     """`predictions` for the parts of one decision: computed once for the same candidates (a prediction depends
     on the others through the slots in use, the best match and the mean answer, so another set is computed anew)."""
-    keys = tuple(p.key for p in pods)
-    if run.predicted is not None and run.predicted[0] == keys:
-        return run.predicted[1]
+    if run.predicted is not None:
+        seen, predicted = run.predicted  # the same views (a filter passes its input list on as it is)
+        if seen is pods or (len(seen) == len(pods) and all(map(is_, seen, pods))):
+            return predicted
     predicted = predictions(pods, run.request, run.settings)
-    run.predicted = (keys, predicted)
+    run.predicted = (pods, predicted)
     return predicted
 
 
