@@ -191,6 +191,28 @@ def test_a_document_goes_where_llmds_weights_rate_best_once_the_caches_are_half_
     assert choose(0.45, 0.65, 40, disabled).pod == "small"
 
 
+def test_an_adapter_s_document_is_rated_by_its_slot_too_while_the_fleet_serves_more_adapters_than_slots():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+
+    def choose(adapter, served, small_in_slots=None):
+        # The emptier cache's two slots both hold other adapters; the fuller one runs the request's adapter.
+        batch = pod("batch", running=10, usage=0.45, adapters=("c", "d"), free=5_500, size=10_000)
+        small = replace(pod("small", running=1, usage=0.65, adapters=("a", "e"), free=3_500, size=10_000),
+                        running_adapters=small_in_slots)
+        request = RouteRequest(adapter, prefix_blocks=40, placement_key=7, served_adapters=served)
+        return choose_pod([batch, small], request, settings, random.Random(1), explain=True)
+
+    # Four slots, five adapters served: the slot counts (2 x 1.0 running it, 0 where every slot holds another).
+    decision = choose("a", served=5)
+    assert decision.pod == "small"
+    assert decision.trace[0] == ("document_weights", ("small",), {"batch": -3.1, "small": -4.7})
+    assert choose("a", served=4).pod == "batch"  # every adapter fits: llm-d's weights alone, as before
+    assert choose("a", served=0).pod == "batch"  # served adapters not known: the same
+    assert choose(None, served=5).pod == "batch"  # a base-model document takes no slot
+    # The page says "a" only waits there for a slot (both slots run others): no better than the emptier cache.
+    assert choose("a", served=5, small_in_slots=frozenset({"e", "f"})).pod == "batch"
+
+
 def test_the_adapter_waits_behind_adapters_queued_for_a_slot_and_its_own_batch_skips_their_queue():
     request = RouteRequest("x")
     full = predict(pod(adapters=("a", "c")), request, TPB, 0)

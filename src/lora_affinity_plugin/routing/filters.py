@@ -20,8 +20,8 @@ from .placement import (
     tokens_per_block,
     warm_pods,
 )
-from .scorers import LLMD_WEIGHTED
-from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, run_predictions
+from .scorers import LLMD_WEIGHTED, LLMD_WEIGHTED_SLOTS
+from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, run_predictions, slot_counts
 
 NEXT_TURN_KV_GAP = 0.3
 """How much emptier (a share of the whole cache) another pod's KV cache must be than the emptiest of a
@@ -230,7 +230,11 @@ class DocumentWeights(Filter):
     """A document (a prompt at least `LARGE_PROMPT_SHARE` of the smallest candidate KV cache), while the candidates'
     caches are on average at least `DOCUMENTS_FULL_USAGE` full, goes where llm-d's weighted scores rate best
     (`LLMD_WEIGHTED`: the share of the prompt a pod holds 3, its free KV share 2, its queue 2); ties go on to the
-    estimate's rules. Other prompts, and documents while the caches have room, pass untouched.
+    estimate's rules. Other prompts, and documents while the caches have room, pass untouched. While the fleet
+    serves more adapters than the candidates have LoRA slots, an adapter's document is rated by its slot too
+    (`LLMD_WEIGHTED_SLOTS`: llm-d's LoRA scorer at 2, 1 where the adapter runs in a slot, 0.8 with a free one): not
+    every adapter can run at once then, and blind to slots the weights sent documents to pods whose slots all held
+    other adapters, where they waited generations for one.
 
     Few documents fit a cache at once, so under KV pressure where each one lives decides how many requests the
     fleet can run: the weights keep a document where it is cached while its pod has room and send new ones to the
@@ -245,7 +249,11 @@ class DocumentWeights(Filter):
         if (not run.settings.prefix_affinity or not _is_document(pods, run)
                 or sum(p.kv_cache_usage for p in pods) < DOCUMENTS_FULL_USAGE * len(pods)):
             return run.apply(self.rule, pods, pods)
-        return run.apply(self.rule, pods, *LLMD_WEIGHTED.best(pods, run))
+        request = run.request
+        weights = LLMD_WEIGHTED
+        if request.adapter is not None and request.served_adapters > slot_counts(pods)[1] > 0:
+            weights = LLMD_WEIGHTED_SLOTS
+        return run.apply(self.rule, pods, *weights.best(pods, run))
 
 
 def _is_document(pods: list[Candidate], run: DecisionRun) -> bool:

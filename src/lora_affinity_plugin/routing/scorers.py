@@ -187,6 +187,21 @@ class LoraScore(Scorer):
         return [-(1.0 if adapter in p.active_adapters else 0.8 if p.has_free_slot() else 0.0) for p in pods]
 
 
+class LoraSlotScore(LoraScore):
+    """llm-d's LoRA scorer reading the pods' slots: 1 where the adapter runs in a slot (the page's running adapters;
+    every active one where the engine does not tell them apart), 0.8 with a free slot, else 0 (negated). An adapter
+    that only waits for a slot on a pod waits there as long as a new one would."""
+
+    name = "lora_slot_score"
+
+    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
+        adapter = run.request.adapter
+        if adapter is None:
+            return [-0.0] * len(pods)
+        return [-(1.0 if adapter in (p.active_adapters if p.running_adapters is None else p.running_adapters)
+                  else 0.8 if p.has_free_slot() else 0.0) for p in pods]
+
+
 class LeastLoadExact(LeastLoad):
     """sglang-cache-aware: the least load, exactly (no band)."""
 
@@ -275,3 +290,7 @@ class Weighted(Part):
 
 LLMD_WEIGHTED = Weighted({PrefixScore(): 3.0, KvScore(): 2.0, QueueScore(): 2.0})
 """llm-d's current built-in weights: the prompt's share a pod holds 3, its free KV share 2, its queue 2."""
+
+LLMD_WEIGHTED_SLOTS = Weighted({PrefixScore(): 3.0, KvScore(): 2.0, QueueScore(): 2.0, LoraSlotScore(): 2.0})
+"""llm-d's weights and its LoRA scorer at 2, reading the pods' slots: what `filters.DocumentWeights` rates an
+adapter's document by while the fleet serves more adapters than it has slots."""
