@@ -63,10 +63,11 @@ GENERATION_SHARE = 0.5
 the whole of it the estimate moved requests off their adapters' pods for small batches (docs/tried.md)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Prediction:
-    """One candidate's predicted time to first token, term by term (what `explain` prints). Read-only by
-    convention, not frozen: a decision builds one per candidate, and frozen costs five times as much to build."""
+    """One candidate's predicted time to first token, term by term (what `explain` prints), and its sums. Read-only
+    by convention, not frozen: a decision builds one per candidate, and frozen costs five times as much to build.
+    The sums are kept, not properties: a decision reads them for every candidate, one to three times."""
 
     adapter_s: float
     queue_s: float
@@ -74,16 +75,19 @@ class Prediction:
     prefill_s: float
     harm_s: float
     uncached_tokens: int
-    generation_s: float = 0.0
+    generation_s: float
     """The share of its own generation there that the estimate counts (`GENERATION_SHARE`)."""
+    ttft_s: float
+    """The predicted first token: adapter, queue, room and prefill."""
+    total_s: float
+    """What the default compares: the first token, the generation term and the harm to others."""
 
-    @property
-    def ttft_s(self) -> float:
-        return self.adapter_s + self.queue_s + self.room_s + self.prefill_s
-
-    @property
-    def total_s(self) -> float:  # (the sum written out: read for every candidate, twice a decision)
-        return self.adapter_s + self.queue_s + self.room_s + self.prefill_s + self.generation_s + self.harm_s
+    def __init__(self, adapter_s: float, queue_s: float, room_s: float, prefill_s: float, harm_s: float,
+                 uncached_tokens: int, generation_s: float = 0.0) -> None:
+        self.adapter_s, self.queue_s, self.room_s, self.prefill_s = adapter_s, queue_s, room_s, prefill_s
+        self.harm_s, self.uncached_tokens, self.generation_s = harm_s, uncached_tokens, generation_s
+        self.ttft_s = ttft = adapter_s + queue_s + room_s + prefill_s
+        self.total_s = ttft + generation_s + harm_s
 
     def describe(self) -> str:
         return (f"{self.total_s:.3f} s = adapter {self.adapter_s:.3f} + queue {self.queue_s:.3f} + room "
@@ -229,8 +233,8 @@ def _predict_each(pods: list[Candidate], request: RouteRequest, tokens_per_block
     (`pod_terms`), and it compares with `<` rather than calling `min` and `max`."""
     blocks = request.prefix_blocks
     prompt = blocks * tokens_per_block
-    matched = request.prefix_matches.get
-    computing = request.prefilling.get
+    matched = request.prefix_matches.get if request.prefix_matches else None
+    computing = request.prefilling.get if request.prefilling else None
     adapter = request.adapter
     served = request.served_adapters
     out: dict[str, Prediction] = {}
@@ -239,7 +243,7 @@ def _predict_each(pods: list[Candidate], request: RouteRequest, tokens_per_block
         if pod is None:
             pod = pod_terms(p)
         active, max_lora = p.active_adapters, p.max_lora
-        held = matched(p.key, 0)
+        held = matched(p.key, 0) if matched is not None else 0
         uncached = (blocks - held) * tokens_per_block if held < blocks else 0.0
         generation_s = pod.generation_s
         queued = pod.queued
@@ -273,7 +277,7 @@ def _predict_each(pods: list[Candidate], request: RouteRequest, tokens_per_block
                 # queue is ahead of it (about one adapter's in every distinct adapter there)
                 queued = queued / len(active)
 
-        computing_s = computing(p.key, 0.0)
+        computing_s = computing(p.key, 0.0) if computing is not None else 0.0
         queue_s = computing_s + queued * pod.queue_s_per_request + pod.queue_s
 
         room_s = 0.0
