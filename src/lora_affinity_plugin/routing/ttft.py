@@ -43,10 +43,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import is_
 
-from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, expected_step_s
+from .cost import ADAPTER_LOAD_S, DECODE_S_PER_KV_TOKEN, batch_harm_s, copy_harm_s, expected_step_s
 from .decision import Candidate, DecisionRun, RouteRequest, RuleSettings
 from .placement import tokens_per_block
-from .podstate import PREFILL_OVERHEAD_S, PREFILL_S_PER_TOKEN
+from .podstate import PREFILL_S_PER_TOKEN
 
 SCARCE_SLOTS = 0.75
 """The share of the candidates' LoRA slots in use past which slots count as scarce (`predict`'s slot term)."""
@@ -176,10 +176,8 @@ class PodTerms:
     """Its decode step with one more request in the batch (`cost.expected_step_s` times its decode factor)..."""
     step_s_per_token: float
     """...and what each token that request brings adds to it."""
-    prefill_factor: float
-    """Its learned prefill speed against the default's (`PodRates.prefill_factor`)..."""
     prefill_s_per_token: float
-    """...and the seconds a token of prefill takes there."""
+    """The seconds a token of prefill takes there (what the prompts still being computed free per second)."""
     batch_harm_s: float
     """What a new adapter in its running batch costs the running requests (`cost.batch_harm_s`)."""
     queue_s_per_request: float
@@ -205,8 +203,8 @@ def pod_terms(p: Candidate) -> PodTerms:
         terms = p.terms = PodTerms(rates.decode_step_s * rates.mean_output_tokens, queued, sent, queue_s, kv_used,
                                    held, held / p.running if p.running else 0.0,
                                    factor * expected_step_s(p.running + p.waiting + 1, kv_used),
-                                   factor * DECODE_S_PER_KV_TOKEN, rates.prefill_factor,
-                                   rates.prefill_factor * PREFILL_S_PER_TOKEN, batch_harm_s(p.running, rates),
+                                   factor * DECODE_S_PER_KV_TOKEN, rates.prefill_factor * PREFILL_S_PER_TOKEN,
+                                   batch_harm_s(p.running, rates),
                                    rates.queue_s_per_request, free if size else None)
     return terms
 
@@ -299,8 +297,8 @@ def _predict_each(pods: list[Candidate], request: RouteRequest, tokens_per_block
         generation = GENERATION_SHARE * output * (pod.step_s + pod.step_s_per_token * (prompt + output / 2))
 
         if best_match > held:
-            harm_s += pod.prefill_s_per_token * ((best_match - held) * tokens_per_block)
+            harm_s += copy_harm_s(p.rates, (best_match - held) * tokens_per_block)
         out[p.key] = Prediction(adapter_s, queue_s, room_s,
-                                pod.prefill_factor * (PREFILL_OVERHEAD_S + PREFILL_S_PER_TOKEN * uncached),
+                                p.rates.prefill_s(uncached),
                                 harm_s, int(uncached), generation)
     return out
