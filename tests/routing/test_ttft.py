@@ -213,6 +213,16 @@ def test_an_adapter_s_document_is_rated_by_its_slot_too_while_the_fleet_serves_m
     assert choose("a", served=5, small_in_slots=frozenset({"e", "f"})).pod == "batch"
 
 
+def test_pages_without_slot_counts_leave_a_document_to_llmds_weights_alone():
+    # An engine without LoRA, or one whose page gives no `max_lora`: no slot count, so no slot is scarce.
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    batch = pod("batch", running=10, usage=0.45, adapters=("c", "d"), max_lora=None, free=5_500, size=10_000)
+    small = pod("small", running=1, usage=0.65, adapters=("a", "e"), max_lora=None, free=3_500, size=10_000)
+    request = RouteRequest("a", prefix_blocks=40, placement_key=7, served_adapters=50)
+    decision = choose_pod([batch, small], request, settings, random.Random(1), explain=True)
+    assert decision.trace[0] == ("document_weights", ("batch",), {"batch": -3.1, "small": -2.7})
+
+
 def test_the_adapter_waits_behind_adapters_queued_for_a_slot_and_its_own_batch_skips_their_queue():
     request = RouteRequest("x")
     full = predict(pod(adapters=("a", "c")), request, TPB, 0)
