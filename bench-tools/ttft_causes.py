@@ -32,7 +32,7 @@ from lora_affinity_lab.bench import fast, policies
 from lora_affinity_lab.bench.fast import FastObserver
 from lora_affinity_lab.bench.latency import TTFT_TARGET_S
 from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
-from lora_affinity_lab.bench.variants import draw
+from lora_affinity_lab.bench.variants import named
 from lora_affinity_lab.sim.engine import ReplicaEngine
 
 CAUSES = ("own prefill", "behind prefill", "KV room", "LoRA slot")
@@ -93,10 +93,7 @@ class _OracleRules:
 
 def _scenario(name: str):
     """A named scenario, or a workload variant named as docs/benchmarks.md names its rows (`family#seed`)."""
-    if "#" in name:
-        family, variant_seed = name.split("#")
-        return draw(family, int(variant_seed)).scenario
-    return get_scenario(name)
+    return named(name).scenario if "#" in name else get_scenario(name)
 
 
 def _one_seed(args: tuple[str, float, int, str, str | None]) -> tuple[list[tuple[float, dict]], int, float]:

@@ -23,7 +23,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from lora_affinity_lab.bench.fast import run_fast
-from lora_affinity_lab.bench.variants import _at, draw
+from lora_affinity_lab.bench.variants import _at, named
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -52,9 +52,8 @@ def parse_strategy(spec: str) -> tuple[str, dict | None]:
 def _run(job: tuple[str, str, int]) -> tuple[str, str, int, float]:
     row, strategy, seed = job
     variant, rate = row.split("@")
-    family, variant_seed = variant.split("#")
     name, overrides = parse_strategy(strategy)
-    result = run_fast(_at(draw(family, int(variant_seed)).scenario, float(rate)), name, seed=seed, overrides=overrides)
+    result = run_fast(_at(named(variant).scenario, float(rate)), name, seed=seed, overrides=overrides)
     return row, strategy, seed, result.ttft_s.get("p90", math.inf) if result.completed else math.inf
 
 

@@ -105,7 +105,8 @@ class DealtWhileSlotsScarce(Condition):
 
     def test(self, pods: list[Candidate], run: DecisionRun) -> bool:
         request = run.request
-        if not run.enabled("dealt") or request.gateways == 1 or request.home is None or not slots_scarce(pods, request):
+        if not run.enabled("dealt") or request.gateways == 1 or request.home is None \
+                or not slots_scarce(pods, request.dealt_adapters):
             return False
         return _dealt_within(pods, run, margins=2)
 
@@ -211,7 +212,7 @@ class DealtForPlacement(Condition):
         if request.gateways == 1 or request.home is None or not run.enabled("dealt"):
             return False
         if _dealt_within(pods, run, margins=1) and self.cache_aware and run.long_prompt \
-                and not slots_scarce(run.fleet, request):
+                and not slots_scarce(run.fleet, request.dealt_adapters):
             emptiest = {p.key for p in fewest_prefixes(pods, request, run.width)}
             run.dealt = [p for p in run.dealt if p.key in emptiest]
         return bool(run.dealt)

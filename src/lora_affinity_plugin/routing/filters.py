@@ -16,12 +16,13 @@ from .placement import (
     least_band_int,
     longest_match_holders,
     not_far_busier,
+    slots_scarce,
     soonest_start,
     tokens_per_block,
     warm_pods,
 )
 from .scorers import LLMD_WEIGHTED, LLMD_WEIGHTED_SLOTS
-from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, run_predictions, slot_counts
+from .ttft import STICKY_MARGIN_S, adapter_slots_scarce, run_predictions
 
 NEXT_TURN_KV_GAP = 0.3
 """How much emptier (a share of the whole cache) another pod's KV cache must be than the emptiest of a
@@ -250,10 +251,8 @@ class DocumentWeights(Filter):
                 or sum(p.kv_cache_usage for p in pods) < DOCUMENTS_FULL_USAGE * len(pods)):
             return run.apply(self.rule, pods, pods)
         request = run.request
-        weights = LLMD_WEIGHTED
-        if request.adapter is not None and request.served_adapters > slot_counts(pods)[1] > 0:
-            weights = LLMD_WEIGHTED_SLOTS
-        return run.apply(self.rule, pods, *weights.best(pods, run))
+        slotted = request.adapter is not None and slots_scarce(pods, request.served_adapters)
+        return run.apply(self.rule, pods, *(LLMD_WEIGHTED_SLOTS if slotted else LLMD_WEIGHTED).best(pods, run))
 
 
 def _is_document(pods: list[Candidate], run: DecisionRun) -> bool:

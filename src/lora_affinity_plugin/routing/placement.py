@@ -216,9 +216,10 @@ def adapter_holders(pods: list[Candidate], adapter: str, settings: RuleSettings,
     return holders, [p for p in holders if p.load <= edge]
 
 
-def slots_scarce(pods: list[Candidate], request: RouteRequest) -> bool:
-    """More adapters served than the pods have LoRA slots (unknown slot counts: not scarce)."""
-    return request.dealt_adapters > sum(p.max_lora or request.dealt_adapters for p in pods)
+def slots_scarce(pods: list[Candidate], adapters: int) -> bool:
+    """More `adapters` than the pods have LoRA slots (a pod that does not say how many it has could hold them all:
+    not scarce)."""
+    return adapters > sum(p.max_lora or adapters for p in pods)
 
 
 def warm_for_adapter(warm: list[Candidate], holders: list[Candidate], roomy: list[Candidate], fleet_min: int,

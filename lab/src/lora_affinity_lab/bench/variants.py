@@ -89,6 +89,12 @@ def _mixed(rng: random.Random, adapters: int, chat_share: float, **extra) -> Sce
                     **_output(rng), **extra)
 
 
+def named(name: str) -> Variant:
+    """The variant docs/benchmarks.md names `family#seed`."""
+    family, seed = name.split("#")
+    return draw(family, int(seed))
+
+
 def draw(family: str, seed: int) -> Variant:
     """The variant `seed` of `family`: the same seed always draws the same workload."""
     rng = random.Random(f"variant-{family}-{seed}")
