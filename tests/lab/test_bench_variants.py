@@ -4,7 +4,11 @@ summary reports the ratio's distribution per family."""
 
 from dataclasses import replace
 
+import pytest
+from procs import run_cli
+
 from lora_affinity_lab.bench import variants
+from lora_affinity_lab.bench.scenarios import get_scenario
 from lora_affinity_lab.bench.variants import BOUND, DEFAULTS, FAMILIES, RANGES, REFERENCES, draw, measure, summary
 
 
@@ -29,6 +33,25 @@ def test_draws_stay_in_their_ranges():
         assert uneven.profiles.startswith("speed=1;speed=0.")
         chats = draw("chats", seed).scenario
         assert 3 <= chats.turns <= 8 and chats.kind == "multi-turn"
+
+
+def test_a_variant_runs_as_a_scenario_by_the_name_the_docs_give_it(tmp_path):
+    """`bench --scenario documents#161` runs that draw in any mode (live through real proxies too); a name that is
+    not FAMILY#SEED gets an error saying what is allowed."""
+    scenario = get_scenario("documents#161")
+    assert scenario == draw("documents", 161).scenario and scenario.name == "documents#161"
+    assert "documents family" in scenario.description and RANGES["documents"] in scenario.description
+    with pytest.raises(SystemExit, match="FAMILY#SEED, the seed a whole number: got 'documents#x'"):
+        get_scenario("documents#x")
+    with pytest.raises(SystemExit, match="unknown family 'novel'; choose from: documents"):
+        get_scenario("novel#3")
+    with pytest.raises(SystemExit, match="or a workload variant FAMILY#SEED"):
+        get_scenario("nonesuch")
+    out = run_cli(["bench", "--scenario", "documents#161", "--mode", "fast", "--rates", "1.2", "--seeds", "1",
+                   "--strategies", "llmd-weights,lora-affinity", "--chart", str(tmp_path / "chart.png")])
+    assert out.startswith("scenario documents#161: workload variant 161 of the documents family")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1.2"]]
+    assert [r[1] for r in rows] == ["llmd-weights", "lora-affinity"] and all(int(r[2]) > 0 for r in rows)
 
 
 def test_a_variant_is_measured_at_the_knee_and_a_step_above_against_the_best_reference(monkeypatch):

@@ -6,7 +6,8 @@ import argparse
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", default="seed", help="one of: " + ", ".join(_scenario_names()))
+    parser.add_argument("--scenario", default="seed", help="one of: " + ", ".join(_scenario_names())
+                        + ", or a workload variant FAMILY#SEED (documents#161)")
     parser.add_argument("--strategies", help="comma-separated strategy names (fleet scenarios)")
     parser.add_argument("--speed", type=float, default=None, help="simulated time runs K times faster than real time")
     parser.add_argument("--gateways", type=int, default=1, help="proxy replicas behind the client, sharing one Redis")
@@ -110,9 +111,9 @@ def run_bench(args: argparse.Namespace) -> int:
         from .propagation import run_propagation
 
         return run_propagation(args)
-    from .scenarios import SCENARIOS
+    from .scenarios import get_scenario
 
-    if args.scenario in SCENARIOS and SCENARIOS[args.scenario].open_loop:
+    if get_scenario(args.scenario).open_loop:
         from .latency import run_latency
 
         return run_latency(args)

@@ -153,10 +153,17 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def get_scenario(name: str) -> Scenario:
+    """A named scenario, or a workload variant as docs/benchmarks.md names it (`documents#161`: the variant
+    benchmark's draw of that family and seed), so one variant runs in any mode, live through real proxies too."""
+    if "#" in name:
+        from .variants import named  # (variants builds on this module)
+
+        return named(name).scenario
     try:
         return SCENARIOS[name]
     except KeyError:
-        raise SystemExit(f"unknown scenario {name!r}; choose one of: decisions, {', '.join(SCENARIOS)}") from None
+        raise SystemExit(f"unknown scenario {name!r}; choose one of: decisions, {', '.join(SCENARIOS)}, "
+                         "or a workload variant FAMILY#SEED") from None
 
 
 def at_rate(scenario: Scenario, rate: float) -> Scenario:

@@ -91,7 +91,9 @@ def _mixed(rng: random.Random, adapters: int, chat_share: float, **extra) -> Sce
 
 def named(name: str) -> Variant:
     """The variant docs/benchmarks.md names `family#seed`."""
-    family, seed = name.split("#")
+    family, _, seed = name.partition("#")
+    if not seed.isdigit():
+        raise SystemExit(f"a workload variant is named FAMILY#SEED, the seed a whole number: got {name!r}")
     return draw(family, int(seed))
 
 
@@ -131,7 +133,8 @@ def draw(family: str, seed: int) -> Variant:
             scenario, rate = _mixed(rng, rng.randint(8, 24), round(rng.uniform(0.1, 0.4), 2), profiles=slow), 1.5
     else:
         raise SystemExit(f"unknown family {family!r}; choose from: {', '.join(FAMILIES)}")
-    return Variant(family, seed, replace(scenario, name=f"{family}#{seed}"), rate)
+    description = f"workload variant {seed} of the {family} family ({RANGES[family]})"
+    return Variant(family, seed, replace(scenario, name=f"{family}#{seed}", description=description), rate)
 
 
 def _at(scenario: Scenario, rate: float) -> Scenario:
