@@ -32,7 +32,6 @@ from lora_affinity_lab.bench import fast, policies
 from lora_affinity_lab.bench.fast import FastObserver
 from lora_affinity_lab.bench.latency import TTFT_TARGET_S
 from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
-from lora_affinity_lab.bench.variants import named
 from lora_affinity_lab.sim.engine import ReplicaEngine
 
 CAUSES = ("own prefill", "behind prefill", "KV room", "LoRA slot")
@@ -91,17 +90,12 @@ class _OracleRules:
         return policy
 
 
-def _scenario(name: str):
-    """A named scenario, or a workload variant named as docs/benchmarks.md names its rows (`family#seed`)."""
-    return named(name).scenario if "#" in name else get_scenario(name)
-
-
 def _one_seed(args: tuple[str, float, int, str, str | None]) -> tuple[list[tuple[float, dict]], int, float]:
     """Per request (TTFT, seconds by cause), the run's preemptions, and its TTFT p90."""
     name, rate, seed, strategy, oracle = args
     causes = _Causes()
     factory = _OracleRules(oracle, causes) if oracle else policies.make_policy
-    result = fast.run_fast(at_rate(_scenario(name), rate), strategy, seed, observer=causes, policy_factory=factory)
+    result = fast.run_fast(at_rate(get_scenario(name), rate), strategy, seed, observer=causes, policy_factory=factory)
     rows = [(o.ttft_s if o.ttft_s is not None else float("inf"), dict(causes.waited.get(str(i), {})))
             for i, o in sorted(causes.outcomes.items())]  # (fast mode names each request's sequence by its index)
     return rows, sum(e.preemptions for e in causes.engines), result.ttft_s.get("p90", float("nan"))

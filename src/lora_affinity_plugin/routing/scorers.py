@@ -184,7 +184,12 @@ class LoraScore(Scorer):
         adapter = run.request.adapter
         if adapter is None:
             return [-0.0] * len(pods)
-        return [-(1.0 if adapter in p.active_adapters else 0.8 if p.has_free_slot() else 0.0) for p in pods]
+        return [-(1.0 if adapter in self._running(p) else 0.8 if p.has_free_slot() else 0.0) for p in pods]
+
+    @staticmethod
+    def _running(p: Candidate) -> frozenset[str]:
+        """The adapters that count as running on `p`: every active one, as llm-d reads them."""
+        return p.active_adapters
 
 
 class LoraSlotScore(LoraScore):
@@ -194,12 +199,9 @@ class LoraSlotScore(LoraScore):
 
     name = "lora_slot_score"
 
-    def costs(self, pods: list[Candidate], run: DecisionRun) -> list[float]:
-        adapter = run.request.adapter
-        if adapter is None:
-            return [-0.0] * len(pods)
-        return [-(1.0 if adapter in (p.active_adapters if p.running_adapters is None else p.running_adapters)
-                  else 0.8 if p.has_free_slot() else 0.0) for p in pods]
+    @staticmethod
+    def _running(p: Candidate) -> frozenset[str]:
+        return p.active_adapters if p.running_adapters is None else p.running_adapters
 
 
 class LeastLoadExact(LeastLoad):
