@@ -8,7 +8,7 @@ from procs import run_cli as run
 
 
 def test_short_soak_with_faults_reports_no_errors_no_leaks_and_attributes_memory(tmp_path):
-    stdout = run(["bench", "--scenario", "soak", "--minutes", "0.3", "--rate", "6", "--trace",
+    stdout = run(["bench", "--scenario", "soak", "--minutes", "0.2", "--rate", "6", "--trace",
                   "--chart", str(tmp_path / "soak.png"), "--json", str(tmp_path / "soak.json")], timeout=400)
     assert "Redis restarted" in stdout and "killed and restarted" in stdout
     assert re.findall(r"^proxy with plugin: requests \d+, errors 0( \(client-side failures on responses the proxy answered 200: .*\))?$", stdout, re.M)
