@@ -2,6 +2,8 @@
 seeds, within its stated ranges; a variant is measured at the best reference's knee and a step above, and the
 summary reports the ratio's distribution per family."""
 
+import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -81,3 +83,25 @@ def test_the_knee_is_bracketed_on_the_ladder_and_narrowed_to_within_a_few_percen
     monkeypatch.setattr(variants, "_p90s", lambda scenario, strategy, seeds: [scenario.arrival_rate / 2])
     rate, target = variants.knee(variant, ("least-busy", "llmd-weights"), range(1, 2))
     assert target == 1.0 and 2.0 < rate <= 2.0 * 1.04, rate
+
+
+def test_standings_hold_each_strategy_to_the_best_of_the_other_references(monkeypatch):
+    monkeypatch.setattr(variants, "REFERENCES", ("a", "b", "c"))
+
+    def row(**by_seed):
+        p90 = {name: statistics.median(v) for name, v in by_seed.items()}
+        return variants.Row("v#1", "documents", 1.0, "knee", 1.0, p90, "", 0.0, None, by_seed)
+
+    seeds = lambda x: [x * f for f in (0.9, 1.0, 1.0, 1.1, 1.2)]  # noqa: E731
+    rows = [row(a=seeds(2.0), b=seeds(4.0), c=seeds(8.0), **{DEFAULTS: seeds(3.0)}),
+            row(a=seeds(6.0), b=seeds(3.0), c=[math.inf] * 5, **{DEFAULTS: seeds(1.5)})]
+    lines = variants.standings(rows)
+    table = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert list(table) == [DEFAULTS, "a", "b", "c"]
+    # The defaults against the best reference of each row (a: 1.5x, then b: 0.5x); `a` against the best of b and c
+    # (0.5x, then 2x): the best reference is never the strategy itself.
+    assert table[DEFAULTS][:3] == ["1.00", "0.87", "1.50"] and table[DEFAULTS][3] == "1/2"
+    assert table["a"][:3] == ["1.25", "1.00", "2.00"] and table["a"][5] == f"{statistics.median([1.5, 0.25]):.2f}"
+    assert table["a"][6] == "1" and table["b"][6] == "0"  # the defaults 1.5x `a` on every seed of row 1
+    assert table["c"][2] == "inf" and table["c"][4] == "2"  # 4x, then nothing completed: both above 1
+    assert table[DEFAULTS][4] == "1" and len(table[DEFAULTS]) == 5  # row 1: 1.5x on every seed; none against itself
