@@ -173,3 +173,22 @@ def test_the_probe_reads_this_machines_cpu():
     busy_after, total_after = machine_cpu()
     assert 0 < busy_after - busy <= total_after - total
     assert (busy_after - busy) / (total_after - total) > 0.5 / os.cpu_count()  # at least half of one core
+
+
+def test_the_gateways_loss_comes_with_the_interval_seed_luck_gives_it():
+    from lora_affinity_lab.bench.compare import gateways_summary
+    from lora_affinity_lab.bench.results import Result, median_result
+
+    def merged(name: str, completed: list[int]) -> Result:
+        return median_result([Result(name, "scarce-slots", "fast", c, 1000 - c, 0, 1.0, c) for c in completed])
+
+    one = merged("lora-affinity, 1 gateway", [400, 410, 420, 430, 440, 450])
+    steady = merged("lora-affinity", [396, 406, 416, 426, 436, 446])  # 1% fewer on every seed
+    shaky = merged("lora-affinity-unshared", [360, 451, 378, 473, 396, 495])  # -10% and +10% in turn
+    assert one.completed_by_seed == [400, 410, 420, 430, 440, 450]
+    lines = gateways_summary([shaky, steady, one], 3).splitlines()
+    assert lines[1].startswith("  shared in-flight counts") and lines[1].endswith(": within the goal"), lines
+    assert lines[2].startswith("  not shared") and lines[2].endswith(": not decided by these seeds"), lines
+    assert "1 gateway" in lines[3] and "interval" not in lines[3]
+    worse = merged("lora-affinity", [c * 9 // 10 for c in one.completed_by_seed])
+    assert gateways_summary([worse, one], 3).splitlines()[1].endswith(": beyond the goal")

@@ -12,6 +12,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from .latency import seed_interval
 from .policies import STRATEGY_NAMES, bench_overrides, settings_note
 from .results import (
     Result,
@@ -90,9 +91,21 @@ def gateways_summary(results: list[Result], gateways: int) -> str:
         ratio = r.completed / one.completed
         verdict = "met" if 1 - ratio <= GATEWAY_GOAL_LOSS else "missed"
         lines.append(f"  {label:<24} {r.completed} / {one.completed} = {ratio:.3f} (loss {1 - ratio:.1%}, {verdict}); "
-                     f"per-replica served {_cv(r.per_replica):.3f} CV")
+                     f"per-replica served {_cv(r.per_replica):.3f} CV" + _seed_luck(r, one))
     lines.append(f"  1 gateway                {one.completed}; per-replica served {_cv(one.per_replica):.3f} CV")
     return "\n".join(lines)
+
+
+def _seed_luck(gateways: Result, one: Result) -> str:
+    """The ratio's 95% interval from seed luck alone (paired by seed), and what it says of the goal: a loss the
+    interval puts both within and beyond the goal is not decided by the run."""
+    interval = seed_interval(gateways.completed_by_seed, one.completed_by_seed)
+    if interval is None:
+        return ""
+    low, high = interval
+    said = ("within the goal" if low >= 1 - GATEWAY_GOAL_LOSS else "beyond the goal" if high < 1 - GATEWAY_GOAL_LOSS
+            else "not decided by these seeds")
+    return f"; seeds' 95% interval {low:.3f}-{high:.3f}: {said}"
 
 
 def _cv(counts: list[int]) -> float:

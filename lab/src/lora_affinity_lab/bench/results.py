@@ -57,6 +57,8 @@ class Result:
     classes: dict = field(default_factory=dict)
     """Per criticality ("critical", "sheddable"), the same figures, when the run had sheddable requests."""
     ttft_p90_by_seed: list[float] = field(default_factory=list)
+    completed_by_seed: list[int] = field(default_factory=list)
+    """Merged over seeds: each seed's completed requests, in seed order (a paired interval needs them)."""
     """Fast mode over several seeds: each seed's TTFT p90 (near a fleet's limit the median hides how many
     seeds saturate)."""
 
@@ -178,6 +180,7 @@ def median_result(results: list[Result]) -> Result:
         duration_s=statistics.median(r.duration_s for r in results),
         output_tokens=int(statistics.median(r.output_tokens for r in results)),
         ttft_s=mid.ttft_s, e2e_s=mid.e2e_s, per_replica=mid.per_replica, seeds=len(results),
+        completed_by_seed=[r.completed for r in results],
     )
 
 
