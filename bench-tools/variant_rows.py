@@ -23,7 +23,8 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from lora_affinity_lab.bench.fast import run_fast
-from lora_affinity_lab.bench.variants import _at, named
+from lora_affinity_lab.bench.scenarios import at_rate
+from lora_affinity_lab.bench.variants import named
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -53,7 +54,7 @@ def _run(job: tuple[str, str, int]) -> tuple[str, str, int, float]:
     row, strategy, seed = job
     variant, rate = row.split("@")
     name, overrides = parse_strategy(strategy)
-    result = run_fast(_at(named(variant).scenario, float(rate)), name, seed=seed, overrides=overrides)
+    result = run_fast(at_rate(named(variant).scenario, float(rate)), name, seed=seed, overrides=overrides)
     return row, strategy, seed, result.ttft_s.get("p90", math.inf) if result.completed else math.inf
 
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .latency import seed_interval
-from .scenarios import Scenario, _adapters
+from .scenarios import Scenario, _adapters, at_rate
 
 TTFT_TARGET_S = 1.0
 LADDER = 1.3
@@ -138,10 +138,6 @@ def draw(family: str, seed: int) -> Variant:
     return Variant(family, seed, replace(scenario, name=f"{family}#{seed}", description=description), rate)
 
 
-def _at(scenario: Scenario, rate: float) -> Scenario:
-    return replace(scenario, arrival_rate=rate, requests=max(1, round(rate * scenario.duration_s)))
-
-
 def _p90s(scenario: Scenario, strategy: str, seeds: range) -> list[float]:
     from .fast import run_fast
 
@@ -155,7 +151,7 @@ def _p90s(scenario: Scenario, strategy: str, seeds: range) -> list[float]:
 def target_s(variant: Variant, seeds: range) -> float:
     """The TTFT p90 that marks the knee: 1 s, or twice what a nearly idle fleet gives (least-busy at a quarter of
     the start rate) when its prompts alone take longer than half a second to compute."""
-    idle = statistics.median(_p90s(_at(variant.scenario, variant.start_rate / 4), "least-busy", seeds))
+    idle = statistics.median(_p90s(at_rate(variant.scenario, variant.start_rate / 4), "least-busy", seeds))
     return max(TTFT_TARGET_S, 2 * idle)
 
 
@@ -167,7 +163,7 @@ def knee(variant: Variant, references: tuple[str, ...], seeds: range, limit: int
     target = target_s(variant, seeds)
 
     def past(rate: float) -> bool:
-        scenario = _at(variant.scenario, rate)
+        scenario = at_rate(variant.scenario, rate)
         return all(statistics.median(_p90s(scenario, ref, seeds)) > target for ref in references)
 
     rate = variant.start_rate
@@ -217,7 +213,7 @@ def measure(variant: Variant, strategies: list[str], seeds: range, knee_seeds: r
     knee_rate, target = knee(variant, REFERENCES, knee_seeds)
     rows = []
     for step, rate in (("knee", knee_rate), ("above", round(knee_rate * LADDER, 3))):
-        scenario = _at(variant.scenario, rate)
+        scenario = at_rate(variant.scenario, rate)
         by_seed = {name: _p90s(scenario, name, seeds)
                    for name in dict.fromkeys([*REFERENCES, DEFAULTS, *strategies, BOUND])}
         p90 = {name: statistics.median(v) for name, v in by_seed.items()}
