@@ -192,3 +192,23 @@ def test_the_gateways_loss_comes_with_the_interval_seed_luck_gives_it():
     assert "1 gateway" in lines[3] and "interval" not in lines[3]
     worse = merged("lora-affinity", [c * 9 // 10 for c in one.completed_by_seed])
     assert gateways_summary([worse, one], 3).splitlines()[1].endswith(": beyond the goal")
+
+
+def test_a_seeded_table_gives_the_defaults_against_each_row_with_the_seeds_interval():
+    from lora_affinity_lab.bench.compare import defaults_against_each
+    from lora_affinity_lab.bench.results import Result, median_result
+
+    def merged(name: str, completed: list[int]) -> Result:
+        return median_result([Result(name, "scarce-slots", "fast", c, 1000 - c, 0, 1.0, c) for c in completed])
+
+    ours = merged("lora-affinity", [360, 380, 400, 420, 440])
+    tree = merged("lora-affinity-tree", [400, 380, 440, 420, 480])  # ahead on three seeds, level on two
+    none = merged("simple-shuffle", [0, 0, 0, 0, 0])  # nothing completed: no ratio to give
+    lines = defaults_against_each([ours, tree, none]).splitlines()
+    assert lines[0].startswith("lora-affinity / each, completed requests over 5 seeds")
+    name, ratio, interval = lines[1].split()
+    assert name == "lora-affinity-tree" and ratio == f"{400 / 420:.3f}", lines
+    low, high = map(float, interval.strip("()").split("-"))
+    assert low <= 400 / 420 <= high and high <= 1.0  # never ahead on any seed: the interval stays at or below 1
+    assert len(lines) == 2
+    assert defaults_against_each([merged("lora-affinity", [1, 2, 3, 4]), tree]) == ""  # under 5 seeds

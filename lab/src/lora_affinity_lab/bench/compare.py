@@ -66,6 +66,8 @@ def run_compare(args: argparse.Namespace) -> int:
                                       for r in results if r.transport]))
     if args.gateways > 1 and "lora-affinity" in strategies:
         print(gateways_summary(results, args.gateways))
+    elif against := defaults_against_each(results):
+        print(against)
     if args.json_path:
         write_json(results, args.json_path)
         print(f"results written to {args.json_path}")
@@ -93,6 +95,23 @@ def gateways_summary(results: list[Result], gateways: int) -> str:
         lines.append(f"  {label:<24} {r.completed} / {one.completed} = {ratio:.3f} (loss {1 - ratio:.1%}, {verdict}); "
                      f"per-replica served {_cv(r.per_replica):.3f} CV" + _seed_luck(r, one))
     lines.append(f"  1 gateway                {one.completed}; per-replica served {_cv(one.per_replica):.3f} CV")
+    return "\n".join(lines)
+
+
+def defaults_against_each(results: list[Result]) -> str:
+    """The defaults' completed requests against each other row's, by the medians over the seeds, with the 95%
+    interval seed luck alone gives the ratio (paired by seed); empty under 5 seeds. A table's difference inside the
+    interval is not one the run can tell from noise."""
+    ours = next((r for r in results if r.strategy == "lora-affinity"), None)
+    if ours is None or len(ours.completed_by_seed) < 5:
+        return ""
+    lines = [f"lora-affinity / each, completed requests over {len(ours.completed_by_seed)} seeds (the seeds' 95% "
+             "interval, paired):"]
+    for other in results:
+        interval = seed_interval(ours.completed_by_seed, other.completed_by_seed) if other is not ours else None
+        if interval is not None:
+            lines.append(f"  {other.strategy:<24} {ours.completed / other.completed:.3f} "
+                         f"({interval[0]:.3f}-{interval[1]:.3f})")
     return "\n".join(lines)
 
 
