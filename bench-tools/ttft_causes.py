@@ -17,7 +17,10 @@ now; ``fit``, only the replicas with no queue and room for the prompt now, when 
 what fresher metrics, or a rule that sends nothing to a full replica, could win.
 
     .venv/bin/python bench-tools/ttft_causes.py SCENARIO RATE SEEDS [STRATEGY] [--oracle kv|state|fit]
+        [--prompt-shape SHAPE]
     # e.g. ttft_causes.py mixed 4.4 10;  ttft_causes.py 'shared-instructions#132' 11.056 5 (a workload variant)
+    # RATE 0: the scenario's own client (a closed loop such as scarce-slots'), e.g.
+    #   ttft_causes.py scarce-slots 0 10 lora-affinity-tree --prompt-shape unique
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from lora_affinity_lab.bench import fast, policies
 from lora_affinity_lab.bench.fast import FastObserver
 from lora_affinity_lab.bench.latency import TTFT_TARGET_S
-from lora_affinity_lab.bench.scenarios import at_rate, get_scenario
+from lora_affinity_lab.bench.scenarios import at_rate, get_scenario, with_overrides
 from lora_affinity_lab.sim.engine import ReplicaEngine
 
 CAUSES = ("own prefill", "behind prefill", "KV room", "LoRA slot")
@@ -45,12 +48,14 @@ class _Causes(FastObserver):
         self.waited: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.engines: list[ReplicaEngine] = []
         self.outcomes: dict[int, object] = {}
+        self.adapters_run: dict[int, set[str]] = collections.defaultdict(set)
 
     def started(self, engines, policies) -> None:
         self.engines = engines
 
     def planned(self, now, replica, queued, duration_s) -> None:
         engine = self.engines[replica]
+        self.adapters_run[replica].update(s.adapter for s in engine.running if s.adapter)
         kind, seqs = engine.planned or (None, [])
         admitted = seqs if kind == "prefill" else []
         taken = set(map(id, admitted))
@@ -90,15 +95,21 @@ class _OracleRules:
         return policy
 
 
-def _one_seed(args: tuple[str, float, int, str, str | None]) -> tuple[list[tuple[float, dict]], int, float]:
-    """Per request (TTFT, seconds by cause), the run's preemptions, and its TTFT p90."""
-    name, rate, seed, strategy, oracle = args
+def _one_seed(args: tuple[str, float, int, str, str | None, str | None]) -> tuple[list[tuple[float, dict]], int, float,
+                                                                               int, float]:
+    """Per request (TTFT, seconds by cause), the run's preemptions, its TTFT p90, its completed requests, and the
+    distinct adapters each replica ran (their mean)."""
+    name, rate, seed, strategy, oracle, shape = args
     causes = _Causes()
     factory = _OracleRules(oracle, causes) if oracle else policies.make_policy
-    result = fast.run_fast(at_rate(get_scenario(name), rate), strategy, seed, observer=causes, policy_factory=factory)
+    scenario = with_overrides(get_scenario(name), prompt_shape=shape)
+    result = fast.run_fast(at_rate(scenario, rate) if rate else scenario, strategy, seed, observer=causes,
+                           policy_factory=factory)
     rows = [(o.ttft_s if o.ttft_s is not None else float("inf"), dict(causes.waited.get(str(i), {})))
             for i, o in sorted(causes.outcomes.items())]  # (fast mode names each request's sequence by its index)
-    return rows, sum(e.preemptions for e in causes.engines), result.ttft_s.get("p90", float("nan"))
+    adapters = statistics.fmean(len(causes.adapters_run[i]) for i in range(len(causes.engines)))
+    return (rows, sum(e.preemptions for e in causes.engines), result.ttft_s.get("p90", float("nan")),
+            result.completed, adapters)
 
 
 def _as_oracle_sees(candidates, request, settings, engines: dict[str, ReplicaEngine], oracle: str):
@@ -125,17 +136,22 @@ def main() -> None:
     parser.add_argument("seeds", type=int)
     parser.add_argument("strategy", nargs="?", default="lora-affinity")
     parser.add_argument("--oracle", choices=ORACLES)
+    parser.add_argument("--prompt-shape", help="the LoRA scenarios' prompt shape (bench's --prompt-shape)")
     args = parser.parse_args()
     if args.oracle and args.strategy not in policies.RULE_SETS:
         parser.error(f"--oracle needs one of the plugin's rule sets ({', '.join(policies.RULE_SETS)}), "
                      f"not {args.strategy!r}")
-    jobs = [(args.scenario, args.rate, seed, args.strategy, args.oracle) for seed in range(1, args.seeds + 1)]
+    jobs = [(args.scenario, args.rate, seed, args.strategy, args.oracle, args.prompt_shape)
+            for seed in range(1, args.seeds + 1)]
     with ProcessPoolExecutor(2) as pool:
         runs = list(pool.map(_one_seed, jobs))
-    rows = [row for seed_rows, _, _ in runs for row in seed_rows]
-    print(f"{args.scenario} at {args.rate:g} req/s, {args.strategy}, seeds 1-{args.seeds}"
-          f"{f', oracle {args.oracle}' if args.oracle else ''}: TTFT p90 {statistics.median(r[2] for r in runs):.2f} s, "
-          f"preemptions {statistics.median(r[1] for r in runs):g} per run (medians over the seeds)")
+    rows = [row for seed_rows, *_ in runs for row in seed_rows]
+    load = f"at {args.rate:g} req/s" if args.rate else "with its own client"
+    print(f"{args.scenario} {load}{f', prompts {args.prompt_shape}' if args.prompt_shape else ''}, {args.strategy}, "
+          f"seeds 1-{args.seeds}{f', oracle {args.oracle}' if args.oracle else ''}: TTFT p90 "
+          f"{statistics.median(r[2] for r in runs):.2f} s, completed {statistics.median(r[3] for r in runs):g}, "
+          f"preemptions {statistics.median(r[1] for r in runs):g} per run, distinct adapters each replica ran "
+          f"{statistics.median(r[4] for r in runs):.2f} (medians over the seeds)")
     print(f"  {'requests':<10}{'count':>7}{'TTFT':>8}" + "".join(f"{c:>16}" for c in CAUSES) + "   (mean s per request)")
     for label, chosen in (("all", rows), ("over 1 s", [r for r in rows if r[0] > TTFT_TARGET_S])):
         if not chosen:

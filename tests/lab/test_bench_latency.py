@@ -173,3 +173,19 @@ def test_the_least_ttft_oracle_names_the_argument_a_bad_value_is_for():
     assert "RATES must be requests per second separated by commas, not '4,x'" in refused("mixed", "4,x", "1")
     assert "invalid choice: 'seed'" in refused("seed", "4", "1")  # closed-loop: no arrival rate to sweep
     assert "unknown strategy 'nosuch'" in refused("mixed", "4", "1", "lora-affinity,nosuch")
+
+
+def test_ttft_causes_reads_a_closed_loop_table_by_its_own_client():
+    """Rate 0: the scenario's own client (scarce-slots' burst of 1000 over 100 connections), with a prompt shape.
+    Inside the replicas its requests wait for LoRA slots above all (24 adapters on 2 slots a pod), and the line says
+    how many distinct adapters each replica ran."""
+    out = run_bench_tool("ttft_causes.py", "scarce-slots", "0", "1", "lora-affinity", "--prompt-shape", "unique")
+    head = out.splitlines()[0]
+    assert head.startswith("scarce-slots with its own client, prompts unique, lora-affinity, seeds 1-1:"), head
+    completed = float(re.search(r"completed ([\d.]+)", head).group(1))
+    adapters = float(re.search(r"distinct adapters each replica ran ([\d.]+)", head).group(1))
+    assert 0 < completed < 1000 and 2 <= adapters <= 24
+    row = re.search(r"^  all +(\d+) +\S+ +(\S+) +(\S+) +(\S+) +(\S+)$", out, re.M)
+    assert int(row.group(1)) == 1000
+    parts = [float(x) for x in row.groups()[1:]]
+    assert parts[3] == max(parts) and parts[3] > 10 * sum(parts[:3])  # the LoRA slot, by far
