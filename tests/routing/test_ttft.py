@@ -32,6 +32,11 @@ def pod(key="p", waiting=0, running=4, adapters=("a",), max_lora=2, resident=(),
                      reported_waiting=waiting, rates=rates, kv_free_tokens=free, kv_cache_tokens=size)
 
 
+def traced(decision, name: str):
+    """The step of `decision`'s trace that part `name` made."""
+    return next(step for step in decision.trace if step[0] == name)
+
+
 def test_the_adapters_wait_is_nothing_when_running_a_load_with_a_free_slot_and_half_a_generation_without():
     request = RouteRequest("b")
     assert predict(pod(adapters=("b",)), request, TPB, 0).adapter_s == 0
@@ -103,8 +108,9 @@ def test_the_rule_set_picks_the_least_predicted_pod_and_gateways_agree_on_equals
     picks = {choose_pod(equals, request, settings, random.Random(i)).pod for i in range(20)}
     assert len(picks) == 1  # rendezvous rank on the placement key, not chance
     decision = choose_pod(equals, request, settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][:5] == ["document_weights", "next_turn_elsewhere",
-                                                        "prefix_affinity_ttft", "new_instructions", "predicted_ttft"]
+    assert [step[0] for step in decision.trace][:6] == ["no_slot_queue_joined", "document_weights",
+                                                        "next_turn_elsewhere", "prefix_affinity_ttft",
+                                                        "new_instructions", "predicted_ttft"]
     assert decision.branch == "predicted_ttft"
 
 
@@ -166,7 +172,7 @@ def test_a_next_turn_leaves_its_historys_queued_full_pods_only_for_a_far_emptier
     # Without prefix affinity nothing is kept for the history, so nothing is left for it either.
     off = build_settings({"rule_set": "predicted-ttft", "prefix_affinity": False}, environ={})
     decision = choose_pod([full, emptier], turn(), off, random.Random(1), explain=True)
-    assert decision.trace[1] == ("next_turn_elsewhere", ("h", "o"), None)
+    assert traced(decision, "next_turn_elsewhere") == ("next_turn_elsewhere", ("h", "o"), None)
 
 
 def test_a_document_goes_where_llmds_weights_rate_best_once_the_caches_are_half_full():
@@ -182,7 +188,7 @@ def test_a_document_goes_where_llmds_weights_rate_best_once_the_caches_are_half_
     # weights prefer the emptier cache (2 x 0.55 against 2 x 0.35), where the estimate takes the smaller batch.
     decision = choose(0.45, 0.65, 40)
     assert decision.pod == "batch"
-    assert decision.trace[0] == ("document_weights", ("batch",), {"batch": -3.1, "small": -2.7})
+    assert traced(decision, "document_weights") == ("document_weights", ("batch",), {"batch": -3.1, "small": -2.7})
     assert choose(0.25, 0.45, 40).pod == "small"  # caches 35% full: room is plentiful, the estimate decides
     assert choose(0.45, 0.65, 8).trace[0][1] == ("batch", "small")  # 512 tokens: not a document, the estimate decides
     off = build_settings({"rule_set": "predicted-ttft", "prefix_affinity": False}, environ={})
@@ -205,7 +211,7 @@ def test_an_adapter_s_document_is_rated_by_its_slot_too_while_the_fleet_serves_m
     # Four slots, five adapters served: the slot counts (2 x 1.0 running it, 0 where every slot holds another).
     decision = choose("a", served=5)
     assert decision.pod == "small"
-    assert decision.trace[0] == ("document_weights", ("small",), {"batch": -3.1, "small": -4.7})
+    assert traced(decision, "document_weights") == ("document_weights", ("small",), {"batch": -3.1, "small": -4.7})
     assert choose("a", served=4).pod == "batch"  # every adapter fits: llm-d's weights alone, as before
     assert choose("a", served=0).pod == "batch"  # served adapters not known: the same
     assert choose(None, served=5).pod == "batch"  # a base-model document takes no slot
@@ -220,7 +226,7 @@ def test_pages_without_slot_counts_leave_a_document_to_llmds_weights_alone():
     small = pod("small", running=1, usage=0.65, adapters=("a", "e"), max_lora=None, free=3_500, size=10_000)
     request = RouteRequest("a", prefix_blocks=40, placement_key=7, served_adapters=50)
     decision = choose_pod([batch, small], request, settings, random.Random(1), explain=True)
-    assert decision.trace[0] == ("document_weights", ("batch",), {"batch": -3.1, "small": -2.7})
+    assert traced(decision, "document_weights") == ("document_weights", ("batch",), {"batch": -3.1, "small": -2.7})
 
 
 def test_the_adapter_waits_behind_adapters_queued_for_a_slot_and_its_own_batch_skips_their_queue():
@@ -291,7 +297,7 @@ def test_while_slots_are_scarce_equals_go_where_fewest_adapters_contend_for_them
              for k in range(40)}
     assert picks == {"fewer"}
     decision = choose_pod([crowded, fewer], RouteRequest("x", placement_key=1), settings, random.Random(0), explain=True)
-    assert [step[0] for step in decision.trace][2:6] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft",
+    assert [step[0] for step in decision.trace][3:7] == ["prefix_affinity_ttft", "new_instructions", "predicted_ttft",
                                                          "fewest_slot_contenders"]
     # with slots free it has no say: rendezvous rank decides between the same pods
     roomy = [pod("crowded", running=2, adapters=("x", "a"), max_lora=8), pod("fewer", running=2, adapters=("x",), max_lora=8)]
@@ -415,3 +421,23 @@ def test_among_gateways_the_default_deals_a_new_adapter_and_keeps_adapters_dealt
     assert choose_pod(running, scarce, settings, random.Random(0)).pod == "p0"
     settings_off = build_settings({"disabled_rules": ["dealt"]}, environ={})
     assert choose_pod(running, scarce, settings_off, random.Random(0)).pod == "p1"
+
+
+def test_while_adapters_outnumber_slots_a_request_does_not_join_another_pods_queue_for_a_slot():
+    settings = build_settings({"rule_set": "predicted-ttft"}, environ={})
+    unheard = build_settings({"rule_set": "predicted-ttft", "disabled_rules": ["no_slot_queue_joined"]}, environ={})
+    # Two slots a pod. x runs on a busy pod; on "crowded" three other adapters take turns in its two slots (one waits);
+    # "open" has a slot free.
+    home = pod("home", waiting=40, running=8, adapters=("x", "a"), resident=("x",))
+    crowded = pod("crowded", waiting=0, running=2, adapters=("c", "d", "e"), resident=("x",))
+    open_slot = pod("open", waiting=60, running=8, adapters=("f",))
+    pods = [home, crowded, open_slot]
+    request = RouteRequest("x", placement_key=3, served_adapters=7)  # 7 adapters on 6 slots: not all can run at once
+    assert choose_pod(pods, request, unheard, random.Random(0)).pod == "crowded"  # the estimate: its own wait alone
+    decision = choose_pod(pods, request, settings, random.Random(0), explain=True)
+    assert traced(decision, "no_slot_queue_joined")[1] == ("home", "open") and decision.pod == "home"
+    # Slots for every adapter, a new adapter, or a base-model request: it has no say.
+    for other in (RouteRequest("x", placement_key=3, served_adapters=6), RouteRequest("y", placement_key=3,
+                  served_adapters=7), RouteRequest(None, placement_key=3, served_adapters=7)):
+        kept = traced(choose_pod(pods, other, settings, random.Random(0), explain=True), "no_slot_queue_joined")[1]
+        assert kept == ("home", "crowded", "open"), other

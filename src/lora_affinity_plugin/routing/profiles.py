@@ -65,6 +65,7 @@ from .filters import (
     LowQueue,
     NewInstructions,
     NextTurnElsewhere,
+    NoSlotQueueJoined,
     NotFarBusier,
     PrefixAffinityTtft,
     PrefixMatch,
@@ -211,11 +212,12 @@ SGLANG_CACHE_AWARE: list[Part] = [
 
 PREDICTED_TTFT: list[Part] = [Branch(DealtWhileSlotsScarce(), [Dealt(), Pick("dealt")]),
                               Branch(DealtNewAdapter(), [Dealt(), Pick("dealt")]),
-                              DocumentWeights(), NextTurnElsewhere(), PrefixAffinityTtft(), NewInstructions(),
-                              PredictedTtft(), FewestSlotContenders(), FewestPrefixes(), LeastLoad(),
+                              NoSlotQueueJoined(), DocumentWeights(), NextTurnElsewhere(), PrefixAffinityTtft(),
+                              NewInstructions(), PredictedTtft(), FewestSlotContenders(), FewestPrefixes(), LeastLoad(),
                               PickAgreed("predicted_ttft")]
 """One estimate for every request: the least predicted time to first token (`ttft.py`), harm to others included,
-after a document goes where llm-d's weights rate best once the caches are half full, a conversation's next turn
+after an adapter's request stays off pods where other adapters queue for a slot while adapters outnumber slots, a
+document goes where llm-d's weights rate best once the caches are half full, a conversation's next turn
 leaves its history's queued, full pods for roomier ones, the prompt's holders keep it and an app's new
 instructions are placed for the cache;
 among equals, while LoRA slots are scarce the pods with the fewest adapters contending for them, then the caches
