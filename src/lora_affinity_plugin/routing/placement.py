@@ -218,8 +218,13 @@ def adapter_holders(pods: list[Candidate], adapter: str, settings: RuleSettings,
 
 def slots_scarce(pods: list[Candidate], adapters: int) -> bool:
     """More `adapters` than the pods have LoRA slots (a pod that does not say how many it has could hold them all:
-    not scarce)."""
-    return adapters > sum(p.max_lora or adapters for p in pods)
+    not scarce). It asks for every adapter's request, so it stops counting once the slots counted hold them all."""
+    slots = 0
+    for p in pods:
+        if slots >= adapters:
+            return False
+        slots += p.max_lora or adapters
+    return adapters > slots
 
 
 def warm_for_adapter(warm: list[Candidate], holders: list[Candidate], roomy: list[Candidate], fleet_min: int,
