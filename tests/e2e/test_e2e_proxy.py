@@ -242,8 +242,8 @@ def test_explain_shows_each_rule_and_the_pick(stack):
     data = json.loads(_cli(stack, "explain", "--model", "sql-lora", "--json"))
     assert data["pick"] == stack.pod_url(1) and data["branch"] == "predicted_ttft"
     rules = {r["rule"]: r for r in data["rules"]}
-    assert list(rules)[:5] == ["document_weights", "next_turn_elsewhere", "prefix_affinity_ttft", "new_instructions",
-                               "predicted_ttft"]
+    assert list(rules)[:6] == ["no_slot_queue_joined", "document_weights", "next_turn_elsewhere",
+                               "prefix_affinity_ttft", "new_instructions", "predicted_ttft"]
     assert set(data["costs"]) == set(data["candidates"])
     assert data["slowness"] == {pod: 1.0 for pod in data["candidates"]}  # equal pods: nobody slower
     text = _cli(stack, "explain", "--model", "sql-lora", "--criticality", "sheddable")
