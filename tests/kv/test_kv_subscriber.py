@@ -6,6 +6,7 @@ blocks its cache holds."""
 
 import asyncio
 import contextlib
+import errno
 import json
 import subprocess
 import sys
@@ -69,6 +70,27 @@ def test_keys_follow_stores_removals_adapters_salts_and_a_clear():
 
 PAGE = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
 """An idle pod's metrics page (the scraper proves the pod on it)."""
+
+
+def _vllm_publishers(vllm, ranks: list[int | None], **kwargs) -> tuple[int, int, list]:
+    """vLLM's own publishers on free ports, one per data-parallel rank (None: a release that has no ranks), and the
+    publish and replay base ports. A port found free can be bound by another test's process before a publisher binds
+    it (README's test command runs three workers at once), so a clash starts over on other ports."""
+    for _ in range(5):
+        pub, replay = free_port_range(2), free_port_range(2)
+        made = []
+        try:
+            for rank in ranks:
+                ranked = {} if rank is None else {"data_parallel_rank": rank}
+                made.append(vllm.ZmqEventPublisher(endpoint=f"tcp://*:{pub}",
+                                                   replay_endpoint=f"tcp://127.0.0.1:{replay}", **ranked, **kwargs))
+            return pub, replay, made
+        except zmq.ZMQError as error:
+            for publisher in made:
+                publisher.shutdown()
+            if error.errno != errno.EADDRINUSE:
+                raise
+    raise RuntimeError("five pairs of free ports were each taken before vLLM's publisher could bind them")
 
 
 def _serving_publisher(buffer_steps: int):
@@ -624,10 +646,8 @@ async def test_vllms_own_publisher_is_followed_exactly_through_a_late_join_a_los
     def batch(*events):
         return vllm.KVEventBatch(ts=time.time(), events=list(events))
 
-    pub_port, replay_port = free_port(), free_port()
-    rank = {"data_parallel_rank": 0} if hasattr(vllm.ZmqEventPublisher, "offset_endpoint_port") else {}  # (0.10+)
-    publisher = vllm.ZmqEventPublisher(endpoint=f"tcp://*:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-                                       buffer_steps=100, topic="kv", **rank)
+    rank = 0 if hasattr(vllm.ZmqEventPublisher, "offset_endpoint_port") else None  # (0.10+)
+    pub_port, replay_port, (publisher,) = _vllm_publishers(vllm, [rank], buffer_steps=100, topic="kv")
     publisher._pub = dropping = _Dropping(publisher._pub)
     prompts = [[i * 1000 + t for t in range(BS)] for i in range(64)]
     for i in range(3):  # before any subscriber: only the replay buffer has them
@@ -697,12 +717,9 @@ async def test_vllms_data_parallel_ranks_are_each_followed_and_a_pod_holds_what_
     if not hasattr(vllm.ZmqEventPublisher, "offset_endpoint_port"):
         pytest.skip(f"vLLM {release} publishes no data-parallel ranks (0.10 and newer do)")
     fields = set(vllm.BlockStored.__struct_fields__)
-    pub, replay = free_port_range(2), free_port_range(2)
+    pub, replay, publishers = _vllm_publishers(vllm, [0, 1], buffer_steps=100)
     for endpoint, rank in ((f"tcp://*:{pub}", 1), ("tcp://127.0.0.1:5557", 3), ("inproc://cache", 2)):
         assert offset_endpoint(endpoint, rank) == vllm.ZmqEventPublisher.offset_endpoint_port(endpoint, rank)
-    publishers = [vllm.ZmqEventPublisher(data_parallel_rank=rank, endpoint=f"tcp://*:{pub}",
-                                         replay_endpoint=f"tcp://127.0.0.1:{replay}", buffer_steps=100)
-                  for rank in (0, 1)]
     pod = "http://10.0.0.7:8000"
     settings = build_settings({"kv_events": True, "kv_events_endpoint": f"tcp://127.0.0.1:{pub}",
                                "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}"}, environ={})
@@ -941,9 +958,7 @@ async def test_vllms_own_hybrid_model_events_are_followed_on_the_full_attention_
     import vllm_wheels
 
     vllm = vllm_wheels.publisher_module(vllm_wheels.NEWEST)
-    pub_port, replay_port = free_port(), free_port()
-    publisher = vllm.ZmqEventPublisher(endpoint=f"tcp://*:{pub_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-                                       buffer_steps=100, topic="kv", data_parallel_rank=0)
+    pub_port, replay_port, (publisher,) = _vllm_publishers(vllm, [0], buffer_steps=100, topic="kv")
     prompts = [[i * 1000 + t for t in range(BS)] for i in range(4)]
 
     def store(h, parent, tokens, group, kind, locality=None):
