@@ -229,3 +229,23 @@ def test_the_live_bench_starts_a_scenarios_replica_profiles(tmp_path):
         assert 1.6 < steps[1] / steps[0] < 2.5, steps  # the second replica's decode steps take twice as long
     finally:
         proc.stop()
+
+
+def test_the_hangups_tool_counts_every_hang_up_a_replica_aborts(sim):
+    """`bench-tools/hangups.py` against a replica itself, no proxy between: each of its hang-ups is one abort
+    there, and its other streams end normally (what it then reads through proxies is the proxies' doing)."""
+    import asyncio
+    import importlib.util
+
+    from procs import BENCH_TOOLS
+
+    spec = importlib.util.spec_from_file_location("hangups", BENCH_TOOLS / "hangups.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    port = int(sim.rsplit(":", 1)[1])
+    before = tool.aborted([port, port + 1])
+    assert asyncio.run(tool.one_round(sim, streams=6, hang_up=3)) == 0  # no stream failed
+    deadline = time.monotonic() + 10
+    while tool.aborted([port, port + 1]) - before < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tool.aborted([port, port + 1]) - before == 3
