@@ -5,8 +5,8 @@ LiteLLM alone (`simple-shuffle`), the plugin with its pooled clients, and the pl
 (LiteLLM's own client). Each takes rounds of streamed text completions, CONCURRENCY at a time, the first
 `--hang-up` of each round asking for a long generation and hung up after two chunks (as
 tests/e2e/test_e2e_pooling.py does); then the replicas' `finished_reason="abort"` count is read until every
-hang-up is there or `--wait` seconds pass. A hang-up missing after the wait is a generation that ran to its end
-for no one. Prints, per proxy and try, the hang-ups and the aborts the replicas counted.
+hang-up is there or `--wait` seconds pass. A hang-up missing after the wait is a generation still running that
+long after it, for no one. Prints, per proxy and try, the hang-ups and the aborts the replicas counted.
 
     .venv/bin/python bench-tools/hangups.py [--tries 3] [--rounds 3] [--streams 60] [--hang-up 12]
     .venv-1108/bin/python bench-tools/hangups.py     # the same on another LiteLLM release
