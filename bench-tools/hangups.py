@@ -2,13 +2,13 @@
 
 Starts Redis, two simulated replicas, the scraper and three `litellm --config` proxies on this venv's LiteLLM:
 LiteLLM alone (`simple-shuffle`), the plugin with its pooled clients, and the plugin with `pooled_clients: false`
-(LiteLLM's own client). Each takes rounds of streamed text completions, CONCURRENCY at a time, the first
-`--hang-up` of each round asking for a long generation and hung up after two chunks (as
+(LiteLLM's own client). Each takes rounds of streamed text completions (chats with `--chat`), CONCURRENCY at a
+time, the first `--hang-up` of each round asking for a long generation and hung up after two chunks (as
 tests/e2e/test_e2e_pooling.py does); then the replicas' `finished_reason="abort"` count is read until every
 hang-up is there or `--wait` seconds pass. A hang-up missing after the wait is a generation still running that
 long after it, for no one. Prints, per proxy and try, the hang-ups and the aborts the replicas counted.
 
-    .venv/bin/python bench-tools/hangups.py [--tries 3] [--rounds 3] [--streams 60] [--hang-up 12]
+    .venv/bin/python bench-tools/hangups.py [--tries 3] [--rounds 3] [--streams 60] [--hang-up 12] [--chat]
     .venv-1108/bin/python bench-tools/hangups.py     # the same on another LiteLLM release
 """
 
@@ -50,16 +50,20 @@ def aborted(replicas: list[int]) -> int:
     return total
 
 
-async def one_round(url: str, streams: int, hang_up: int) -> int:
-    """`streams` streamed completions, the first `hang_up` hung up after two chunks; returns the failures."""
+async def one_round(url: str, streams: int, hang_up: int, chat: bool = False) -> int:
+    """`streams` streamed completions (chats with `chat`), the first `hang_up` hung up after two chunks; returns
+    the failures."""
     semaphore, failed = asyncio.Semaphore(CONCURRENCY), 0
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         nonlocal failed
         abandon = i < hang_up
-        body = {"model": ADAPTERS[i % 2], "prompt": "Is the Necronomicon in it?", "stream": True,
-                "max_tokens": 3000 if abandon else 30, **({"ignore_eos": True} if abandon else {})}
-        async with semaphore, client.stream("POST", url + "/v1/completions", json=body,
+        question = "Is the Necronomicon in it?"
+        body = {"model": ADAPTERS[i % 2], "stream": True, "max_tokens": 3000 if abandon else 30,
+                **({"messages": [{"role": "user", "content": question}]} if chat else {"prompt": question}),
+                **({"ignore_eos": True} if abandon else {})}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with semaphore, client.stream("POST", url + path, json=body,
                                             headers={"Authorization": f"Bearer {MASTER_KEY}"}) as response:
             chunks = 0
             async for line in response.aiter_lines():
@@ -81,6 +85,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=60)
     parser.add_argument("--hang-up", type=int, default=12)
     parser.add_argument("--wait", type=float, default=60.0)
+    parser.add_argument("--chat", action="store_true", help="streamed chats instead of text completions")
     args = parser.parse_args()
     workdir = scratch_dir("lora-affinity-hangups-")
     procs: list[Proc] = []
@@ -107,12 +112,14 @@ def main() -> int:
             port = free_port()
             procs.append(litellm_proxy(path, port, workdir, f"proxy-{i}"))
             urls[name] = f"http://127.0.0.1:{port}"
-        print(f"LiteLLM {version('litellm')}: {args.tries} tries x {args.rounds} rounds of {args.streams} streams, "
+        print(f"LiteLLM {version('litellm')}: {args.tries} tries x {args.rounds} rounds of {args.streams} streamed "
+              f"{'chats' if args.chat else 'text completions'}, "
               f"{args.hang_up} a round hung up after two chunks, {CONCURRENCY} at a time; logs in {workdir}")
         for name, url in urls.items():
             for t in range(args.tries):
                 before = aborted(replicas)
-                failed = sum(asyncio.run(one_round(url, args.streams, args.hang_up)) for _ in range(args.rounds))
+                failed = sum(asyncio.run(one_round(url, args.streams, args.hang_up, args.chat))
+                             for _ in range(args.rounds))
                 expected, deadline = args.rounds * args.hang_up, time.monotonic() + args.wait
                 while (seen := aborted(replicas) - before) < expected and time.monotonic() < deadline:
                     time.sleep(0.5)
