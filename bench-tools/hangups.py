@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import signal
 import sys
 import time
 from importlib.metadata import version
@@ -87,6 +88,8 @@ def main() -> int:
     parser.add_argument("--wait", type=float, default=60.0)
     parser.add_argument("--chat", action="store_true", help="streamed chats instead of text completions")
     args = parser.parse_args()
+    # A run stopped from outside (`timeout`, a kill) still stops what it started, in `finally` below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     workdir = scratch_dir("lora-affinity-hangups-")
     procs: list[Proc] = []
     try:
