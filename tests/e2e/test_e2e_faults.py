@@ -50,6 +50,7 @@ def stack(tmp_path_factory):
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         procs.append(lora_affinity(["scrape", "--config", str(path)], tmp, "scraper"))
+        state["scraper_proc"] = procs[-1]
         procs.append(litellm_proxy(path, proxy_port, tmp, env=child_env(LORA_AFFINITY_LOG_LEVEL="DEBUG")))
         state.update({"tmp": tmp, "redis_port": redis_port, "proxy": f"http://127.0.0.1:{proxy_port}",
                       "ports": ports, "sims": sims, "proxy_proc": procs[-1]})
@@ -113,12 +114,16 @@ def test_redis_restart_under_load_fails_no_request(stack):
               if stack["stopped_at"] <= t <= stack["restarted_at"]]
     assert len(during) == 1  # one line for the whole outage, not one per request
     recovered = [t for t in log_times(log, "LiteLLM's own pick decides: recovered") if t > stack["stopped_at"]]
-    # Measured from when this proxy could read Redis again (its second "cannot read" line, the recovery; it
-    # may come before the test's own clock reading after the restart): routing by metrics is back within two
-    # refresh intervals of that, the scraper's next write included, however slowly a loaded machine reconnects.
+    # Routing by metrics needs both ends back: this proxy reading Redis (its second "cannot read" line) and the
+    # scraper writing to it (its "cannot write ...: recovered" line). Each reconnects on its own, as slowly as a
+    # loaded machine makes it; from the later of the two, the proxy's next refresh routes by metrics again.
     readable_at = log_times(log, "cannot read pod metrics from Redis")[-1]
-    assert recovered and recovered[0] - readable_at < 2 * INTERVAL_MS / 1000 + 0.15, (
-        recovered[:1], readable_at, stack["restarted_at"])
+    written_at = [t for t in log_times(stack["scraper_proc"].log(), "cannot write to Redis; metrics will age: recovered")
+                  if t > stack["stopped_at"]]
+    assert written_at, "the scraper never wrote to Redis again"
+    both_back_at = max(readable_at, written_at[0])
+    assert recovered and recovered[0] - both_back_at < 2 * INTERVAL_MS / 1000 + 0.15, (
+        recovered[:1], readable_at, written_at[0], stack["restarted_at"])
 
 
 def test_a_killed_replica_gets_no_new_requests_and_is_used_again_when_back(stack):
