@@ -330,6 +330,109 @@ async def test_in_flight_hooks_never_raise_on_odd_input(monkeypatch, data):
         strategy.stop()
 
 
+class _EngineStream:
+    """The engine's stream at the bottom of LiteLLM's chain (a chat wrapper over the HTTP response): closing it
+    closes the connection, which is what makes vLLM abort the generation."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+        self.sent = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        self.sent += 1
+        return f"chunk {self.sent}"
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+class _TextWrapper:
+    """LiteLLM's text-completion wrapper: it keeps the stream it wraps and has no `aclose`."""
+
+    def __init__(self, completion_stream) -> None:
+        self.completion_stream = completion_stream
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.completion_stream.__anext__()
+
+
+class _RouterWrapper:
+    """LiteLLM 1.110's router wrapper: `aclose` passes on to what it wraps, where that has one."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.inner.__anext__()
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.inner, "aclose", None)
+        if callable(aclose):
+            await aclose()
+
+
+async def _reported(items):
+    """LiteLLM 1.110's router reads the text wrapper's stream through a generator that does not close it."""
+    async for item in items:
+        yield item
+
+
+def _text_completion_chain() -> tuple[_RouterWrapper, _EngineStream]:
+    engine = _EngineStream()
+    return _RouterWrapper(_TextWrapper(_reported(engine))), engine
+
+
+async def test_a_stream_the_client_left_is_closed_down_to_the_engine():
+    """On a hang-up LiteLLM closes the plugin's layer; on 1.110 the chain of a text completion does not pass the
+    close on to the engine's stream (the control below), so the plugin closes every stream below it."""
+    plugin = ProxyPlugin()
+    chain, engine = _text_completion_chain()
+    relayed = plugin.async_post_call_streaming_iterator_hook(None, chain, {"litellm_call_id": "left"})
+    assert [await relayed.__anext__(), await relayed.__anext__()] == ["chunk 1", "chunk 2"]
+    await relayed.aclose()  # what LiteLLM does with each layer when the client hangs up
+    assert engine.closed >= 1
+
+    control, control_engine = _text_completion_chain()
+    await control.__anext__()
+    await control.aclose()
+    assert control_engine.closed == 0  # LiteLLM's own close stops short of the engine's stream
+
+    async def short():
+        for i in range(2):
+            yield i
+
+    done = plugin.async_post_call_streaming_iterator_hook(None, short(), {"litellm_call_id": "done"})
+    assert [c async for c in done] == [0, 1]  # a stream that ended is LiteLLM's to close, as before
+
+
+async def test_closing_a_left_stream_survives_odd_wrappers():
+    """A stream whose close raises, a wrapper that wraps itself: the hook raises nothing of its own, and ends the
+    call as always."""
+    from lora_affinity_plugin.host.proxy_callback import _streams_below
+
+    class Refuses(_EngineStream):
+        async def aclose(self) -> None:
+            raise RuntimeError("already gone")
+
+    looped = _RouterWrapper(None)
+    looped.inner = looped
+    assert _streams_below(looped) == [looped]
+    plugin = ProxyPlugin()
+    for upstream in (Refuses(), _RouterWrapper(Refuses()), _RouterWrapper(_TextWrapper(_reported(Refuses())))):
+        relayed = plugin.async_post_call_streaming_iterator_hook(None, upstream, {"litellm_call_id": "odd"})
+        assert await relayed.__anext__() == "chunk 1"
+        await relayed.aclose()
+
+
 async def test_in_flight_hooks_count_a_call_once_and_end_it_once(monkeypatch):
     from litellm.proxy import proxy_server
 

@@ -15,6 +15,7 @@ import weakref
 from datetime import datetime
 from typing import Any, Mapping
 
+import anyio
 import httpx
 import litellm
 from litellm.integrations.custom_logger import CustomLogger
@@ -270,12 +271,15 @@ class ProxyPlugin(CustomLogger):
         return None
 
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict, response, request_data):
-        last = None
+        last, finished = None, False
         try:
             async for chunk in response:
                 last = chunk
                 yield chunk
+            finished = True
         finally:  # end of stream, upstream error or the client leaving (CancelledError/GeneratorExit)
+            if not finished:
+                await _close_upstream(response)
             ended = self._end_call(request_data, "stream end")
             if _asked_usage(request_data):  # its last chunk has the engine's `usage` (else none, or LiteLLM's guess)
                 self._learn_prompt(ended, last)
@@ -329,6 +333,52 @@ def _modified(path: str) -> float:
 def _asked_usage(request_data: Any) -> bool:
     options = request_data.get("stream_options") if isinstance(request_data, dict) else None
     return isinstance(options, dict) and options.get("include_usage") is True
+
+
+_INNER_STREAM = ("inner", "completion_stream")
+"""Where LiteLLM's stream wrappers keep the stream they wrap (the router's hidden-params wrapper; the text-completion
+and chat wrappers)."""
+
+
+def _streams_below(stream: Any, most: int = 8) -> list[Any]:
+    """`stream` and the streams it reads from, outer first: what its wrappers keep (`_INNER_STREAM`) and, for an
+    async generator, the async iterators its suspended frame is reading (a generator closed early does not close
+    the iterator of its `async for`)."""
+    found: list[Any] = []
+    queue, seen = [stream], set()
+    while queue and len(seen) < most:
+        current = queue.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        found.append(current)
+        queue.extend(getattr(current, name, None) for name in _INNER_STREAM)
+        frame = getattr(current, "ag_frame", None)
+        if frame is not None:
+            queue.extend(value for value in frame.f_locals.values() if hasattr(value, "__anext__"))
+    return found
+
+
+async def _close_upstream(stream: Any) -> None:
+    """Close the engine's stream of a response the client left, so the engine aborts its generation now.
+
+    On a hang-up LiteLLM closes what it relays through the outer stream's `aclose`, and expects each wrapper to
+    close what it wraps. On 1.110 a text completion's chain breaks twice: the text-completion wrapper has no
+    `aclose`, and the router replaces the stream it wraps with an async generator reading it, which does not close
+    it. The engine's stream stayed open until the objects holding it were freed, at times a minute or more later,
+    and the engine generated on for no one (`bench-tools/hangups.py`). So every stream below is closed, outer first.
+    Closing is idempotent: what LiteLLM closes again afterwards (a chat's wrapper) finds it closed."""
+    try:
+        closers = [aclose for s in _streams_below(stream) if callable(aclose := getattr(s, "aclose", None))]
+    except Exception as exc:  # a wrapper that refuses to be looked into: LiteLLM's own close still runs
+        logger.debug("reading a stream the client left raised %s", type(exc).__name__)
+        return
+    for aclose in closers:
+        try:
+            with anyio.CancelScope(shield=True):  # a cancelled task's await would be cancelled too, and leave it open
+                await aclose()
+        except Exception as exc:  # a stream that fails to close is LiteLLM's to log; never the plugin's error
+            logger.debug("closing a stream the client left raised %s", type(exc).__name__)
 
 
 def _litellm_release() -> str:
