@@ -278,11 +278,11 @@ class ProxyPlugin(CustomLogger):
                 yield chunk
             finished = True
         finally:  # end of stream, upstream error or the client leaving (CancelledError/GeneratorExit)
-            if not finished:
-                await _close_upstream(response)
             ended = self._end_call(request_data, "stream end")
             if _asked_usage(request_data):  # its last chunk has the engine's `usage` (else none, or LiteLLM's guess)
                 self._learn_prompt(ended, last)
+            if not finished:
+                await _close_upstream(response)
 
     def _learn_prompt(self, ended: Dispatch | None, response: Any) -> None:
         """The engine's count of the prompt's tokens (`usage.prompt_tokens`), where the answer has one: the pod's
