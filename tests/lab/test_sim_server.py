@@ -249,3 +249,31 @@ def test_the_hangups_tool_counts_every_hang_up_a_replica_aborts(sim):
     while tool.aborted([port, port + 1]) - before < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert tool.aborted([port, port + 1]) - before == 3
+
+
+def test_the_hangups_tool_hangs_up_before_the_first_token_and_the_replica_aborts(tmp_path):
+    """`hangups.py --before-first-token` against a replica itself, at the tool's 0.1x speed: its long prompt's first
+    token is seconds away when it hangs up, and the replica counts the abort at once."""
+    import asyncio
+    import importlib.util
+
+    from procs import BENCH_TOOLS
+
+    spec = importlib.util.spec_from_file_location("hangups", BENCH_TOOLS / "hangups.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    port = free_port_range(1)
+    proc = Proc("slow-sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "1",
+                             "--base-port", str(port), "--speed", "0.1", "--warm-adapters", ",".join(tool.ADAPTERS)],
+                tmp_path)
+    try:
+        wait_port(port)
+        for chat in (False, True):
+            before = tool.aborted([port])
+            assert asyncio.run(tool.hang_up_before_first_token(f"http://127.0.0.1:{port}", chat, after_s=0.5))
+            deadline = time.monotonic() + 5
+            while tool.aborted([port]) == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert tool.aborted([port]) - before == 1, chat
+    finally:
+        proc.stop()
