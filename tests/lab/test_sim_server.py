@@ -231,10 +231,8 @@ def test_the_live_bench_starts_a_scenarios_replica_profiles(tmp_path):
         proc.stop()
 
 
-def test_the_hangups_tool_counts_every_hang_up_a_replica_aborts(sim):
-    """`bench-tools/hangups.py` against a replica itself, no proxy between: each of its hang-ups is one abort
-    there, and its other streams end normally (what it then reads through proxies is the proxies' doing)."""
-    import asyncio
+def _hangups_tool():
+    """`bench-tools/hangups.py`, loaded as a module (bench tools are scripts, not a package)."""
     import importlib.util
 
     from procs import BENCH_TOOLS
@@ -242,6 +240,15 @@ def test_the_hangups_tool_counts_every_hang_up_a_replica_aborts(sim):
     spec = importlib.util.spec_from_file_location("hangups", BENCH_TOOLS / "hangups.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_the_hangups_tool_counts_every_hang_up_a_replica_aborts(sim):
+    """`bench-tools/hangups.py` against a replica itself, no proxy between: each of its hang-ups is one abort
+    there, and its other streams end normally (what it then reads through proxies is the proxies' doing)."""
+    import asyncio
+
+    tool = _hangups_tool()
     port = int(sim.rsplit(":", 1)[1])
     before = tool.aborted([port, port + 1])
     assert asyncio.run(tool.one_round(sim, streams=6, hang_up=3)) == 0  # no stream failed
@@ -255,13 +262,8 @@ def test_the_hangups_tool_hangs_up_before_the_first_token_and_the_replica_aborts
     """`hangups.py --before-first-token` against a replica itself, at the tool's 0.1x speed: its long prompt's first
     token is seconds away when it hangs up, and the replica counts the abort at once."""
     import asyncio
-    import importlib.util
 
-    from procs import BENCH_TOOLS
-
-    spec = importlib.util.spec_from_file_location("hangups", BENCH_TOOLS / "hangups.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _hangups_tool()
     port = free_port_range(1)
     proc = Proc("slow-sim", [sys.executable, "-m", "lora_affinity_plugin.ops.cli", "sim", "--replicas", "1",
                              "--base-port", str(port), "--speed", "0.1", "--warm-adapters", ",".join(tool.ADAPTERS)],
